@@ -1,0 +1,86 @@
+"""``python -m disteval [overrides]``: compose the config with Hydra, validate, preflight, launch the ranks.
+
+Exit codes: 0 success; 1 the evaluation failed (a rank's error, named); 2 bad configuration or input found
+before any rank started. Under an external ``torchrun`` (env:// variables present) this process runs as
+that rank instead of spawning ranks.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from disteval.config import conf_dir, register_schemas
+from disteval.errors import ConfigError, DistevalError, RankFailedError
+
+register_schemas()
+_err = Console(stderr=True)
+log = logging.getLogger("disteval")
+
+
+def job_container(cfg: DictConfig) -> dict:
+    """The resolved job config as a plain dict (enums as strings) plus ``experiment_name``."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    try:
+        choice = HydraConfig.get().runtime.choices.get("experiment")
+    except ValueError:
+        choice = None
+    container["experiment_name"] = choice or "default"
+    return container
+
+
+def run(cfg: DictConfig) -> int:
+    """Run one job from a composed config. Returns the process exit code."""
+    from disteval.comm import RankEnv, external_launch_detected
+    from disteval.engine import run_rank
+    from disteval.preflight import preflight
+    from launchers.local import launch_local
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    container = job_container(cfg)
+    job = OmegaConf.create(container)
+    external = external_launch_detected()
+    try:
+        preflight(job)
+    except DistevalError as exc:
+        _err.print(f"[bold red]disteval: configuration error[/] {exc}")
+        return 2
+    try:
+        if external:
+            env = RankEnv.from_env()
+            if env.world_size != cfg.dist.world_size:
+                log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
+                            env.world_size, cfg.dist.world_size)
+            run_rank(job, run_dir, env)
+        elif cfg.dist.world_size == 1:
+            run_rank(job, run_dir, None)
+        else:
+            launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
+    except RankFailedError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] {exc}")
+        _err.print(f"rank records: {run_dir}/ranks/rank*/status.json")
+        return 1
+    except DistevalError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] {exc}")
+        return 1
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    """Console-script entry point (``disteval``), same as ``python -m disteval``."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

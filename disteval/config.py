@@ -1,0 +1,173 @@
+"""Structured-config schemas (Hydra ConfigStore) and where conf/ is found.
+
+The schema is registered as ``disteval_schema`` and is the first entry of ``conf/config.yaml``'s defaults
+list, so every group file (model/, data/, ...) is merged onto a typed node: an unknown key or a value of the
+wrong type fails at composition with Hydra's error naming the full key (e.g. ``Key 'foo' not in
+'ModelConfig' full_key: model.foo``).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ModelDtype(str, Enum):
+    """Compute dtype of the model's forward pass (autocast); metric states never use it."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Backend(str, Enum):
+    """torch.distributed backend; ``auto`` = nccl when the ranks use CUDA devices, else gloo."""
+
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Compression(str, Enum):
+    """Payload compression of collectives (only ``none`` is implemented by this version)."""
+
+    none = "none"
+    lossless = "lossless"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class ModelConfig:
+    """``model.*``: which network to evaluate.
+
+    name: a reference CNN of this package (digits_cnn, fashion_cnn, vit_tiny) or any torchvision
+    classification model name (vit_b_16, mobilenet_v2, resnet50, ...).
+    weights: torchvision weights enum name (e.g. IMAGENET1K_V1; downloaded into torch.hub's cache by the
+    driver, once) or ``shipped`` for the reference CNNs' checkpoints inside the package; null = random init.
+    checkpoint: path to a plain state dict (loaded with ``torch.load(weights_only=True)``); takes
+    precedence over ``weights``.
+    num_classes: output classes; null = the dataset's class count (or the weights' categories).
+    kwargs: extra keyword arguments for the model builder (e.g. image_size for a ViT).
+    """
+
+    name: str = "digits_cnn"
+    weights: Optional[str] = None
+    checkpoint: Optional[str] = None
+    num_classes: Optional[int] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """``data.*``: the evaluation dataset.
+
+    name: digits | fashion_mnist | imagefolder. root: dataset directory (fashion_mnist: the idx files;
+    imagefolder: one sub-folder per class). split: which split (digits: the held-out ``test`` split).
+    limit: evaluate only the first ``limit`` samples (null = all). resize_size/crop_size/mean/std: the
+    ImageNet-style eval transform of imagefolder data (resize short side, center crop, normalise).
+    """
+
+    name: str = "digits"
+    root: Optional[str] = None
+    split: str = "test"
+    batch_size: int = 64
+    num_workers: int = 0
+    limit: Optional[int] = None
+    download: bool = False
+    resize_size: int = 256
+    crop_size: int = 224
+    mean: List[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision.*``: model compute precision. Metric states are always int64 counts and float64 sums;
+    ``count_dtype``/``sum_dtype`` exist only so that a request for anything narrower is refused loudly."""
+
+    model_dtype: ModelDtype = ModelDtype.fp32
+    tf32: bool = False
+    deterministic: bool = False
+    count_dtype: str = "int64"
+    sum_dtype: str = "float64"
+
+
+@dataclass
+class CommunicationConfig:
+    """``communication.*``: collectives. timeout_s (seconds) is the process group's timeout; every
+    collective of the project runs under it."""
+
+    backend: Backend = Backend.auto
+    timeout_s: float = 300.0
+    compression: Compression = Compression.none
+    async_threshold_bytes: int = 64 * 1024 * 1024
+    profile: str = "none"
+
+
+@dataclass
+class DistConfig:
+    """``dist.*``: how many ranks and how they come to exist (``launcher: local`` = torch.distributed.elastic
+    on this machine). master_port 0 = a free port chosen by the rendezvous."""
+
+    world_size: int = 2
+    launcher: str = "local"
+    device: Device = Device.auto
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """``eval.*``: metric families and their options. topk: the k of top-k accuracy. ece_bins: equal-width
+    confidence bins of the expected calibration error. status_interval_s: seconds between status.json
+    updates (and progress refreshes) of a rank."""
+
+    metrics: List[str] = field(default_factory=lambda: ["classification"])
+    topk: List[int] = field(default_factory=lambda: [1, 5])
+    ece_bins: int = 15
+    trials: int = 1
+    status_interval_s: float = 1.0
+    progress: bool = True
+
+
+@dataclass
+class DistevalConfig:
+    """The whole job configuration (``python -m disteval --cfg job`` prints it)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+
+
+def register_schemas() -> None:
+    """Store the schema in Hydra's ConfigStore under the name ``disteval_schema`` (idempotent)."""
+    ConfigStore.instance().store(name="disteval_schema", node=DistevalConfig)
+
+
+def conf_dir() -> str:
+    """Hydra ``config_path`` for conf/: the checkout's ``conf/`` folder when running from a source tree
+    (or an editable install), else ``pkg://disteval.conf`` inside an installed wheel.
+
+    Raises FileNotFoundError when neither exists (a broken install).
+    """
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return str(checkout)
+    if importlib.util.find_spec("disteval.conf") is not None:
+        return "pkg://disteval.conf"
+    raise FileNotFoundError(f"disteval's conf/ was found neither at {checkout} nor as package disteval.conf")

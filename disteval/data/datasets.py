@@ -1,0 +1,200 @@
+"""Datasets of disteval. Every item is ``(input, target, sample_id)``: the id is the item's index in [0, N).
+
+- ``digits``: scikit-learn's bundled 8x8 digits; split ``test`` is the held-out 30 % (stratified,
+  random_state=0), ``train`` the rest. Inputs float32 [1, 8, 8] in [0, 1].
+- ``fashion_mnist``: the idx files (``t10k-*`` for test, ``train-*`` for train, optionally .gz) in
+  ``data.root`` or ``data.root/FashionMNIST/raw``; ``data.download=true`` uses torchvision's downloader.
+  Inputs float32 [1, 28, 28] in [0, 1].
+- ``imagefolder``: torchvision ImageFolder at ``data.root`` with the ImageNet eval transform
+  (resize short side to ``resize_size``, bilinear, antialias; center crop ``crop_size``; normalise).
+"""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from disteval.errors import ConfigError, DataError
+
+DATASETS = ("digits", "fashion_mnist", "imagefolder")
+DIGITS_TEST_FRACTION = 0.3
+_IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class IndexedDataset(Dataset):
+    """Wraps a map-style dataset of ``(input, target)`` so items are ``(input, target, sample_id)``.
+
+    ``limit`` keeps only the first ``limit`` items. A failure to load item ``i`` is re-raised as
+    DataError naming the sample id (and the file, when the base dataset has ``samples``).
+    """
+
+    def __init__(self, base: Dataset, limit: int | None = None):
+        self.base = base
+        n = len(base)  # type: ignore[arg-type]
+        self.num_samples = n if limit is None else min(n, limit)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int):
+        try:
+            x, y = self.base[index]
+        except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+            where = ""
+            samples = getattr(self.base, "samples", None)
+            if samples is not None:
+                where = f" (file {samples[index][0]})"
+            raise DataError(f"cannot load sample id {index}{where}: {type(exc).__name__}: {exc}") from exc
+        return x, int(y), index
+
+
+def _digits(split: str) -> TensorDataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if split not in ("train", "test"):
+        raise ConfigError("data.split", f"digits has splits 'train' and 'test', not {split!r}")
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, y, test_size=DIGITS_TEST_FRACTION, random_state=0, stratify=y)
+    xs, ys = (x_te, y_te) if split == "test" else (x_tr, y_tr)
+    images = torch.from_numpy((xs / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
+    return TensorDataset(images, torch.from_numpy(ys.astype(np.int64)))
+
+
+def _fashion_files(root: Path, split: str) -> tuple[Path, Path] | None:
+    prefix = {"test": "t10k", "train": "train"}[split]
+    for folder in (root, root / "FashionMNIST" / "raw"):
+        found = []
+        for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
+            cands = [folder / f"{prefix}-{kind}", folder / f"{prefix}-{kind}.gz"]
+            hit = next((c for c in cands if c.is_file()), None)
+            found.append(hit)
+        if all(found):
+            return found[0], found[1]
+    return None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read an IDX file (the MNIST format: big-endian magic 0x0000 <dtype 0x08> <ndim>, dims, uint8 data),
+    gzip-compressed when the name ends in .gz. Raises DataError naming the file when it is malformed."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not a uint8 IDX file (bad magic {raw[:4].hex()})")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    if len(raw) - offset != int(np.prod(dims)):
+        raise DataError(f"{path}: header says {dims} but holds {len(raw) - offset} bytes of data")
+    return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims)
+
+
+def _fashion_mnist(root: str | None, split: str, download: bool) -> TensorDataset:
+    if split not in ("train", "test"):
+        raise ConfigError("data.split", f"fashion_mnist has splits 'train' and 'test', not {split!r}")
+    if root is None:
+        raise ConfigError("data.root", "fashion_mnist needs data.root (the folder with t10k-images-idx3-ubyte)")
+    files = _fashion_files(Path(root), split)
+    if files is None and download:
+        import torchvision
+
+        ds = torchvision.datasets.FashionMNIST(root, train=split == "train", download=True)
+        images, labels = ds.data.numpy(), ds.targets.numpy()
+    elif files is None:
+        raise ConfigError("data.root", f"no Fashion-MNIST {split} idx files in {root!r} (install Debian's "
+                          "dataset-fashion-mnist, or set data.download=true where there is internet)")
+    else:
+        images, labels = read_idx(files[0]), read_idx(files[1])
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(f"{files[0]} and {files[1]} disagree: images {images.shape}, labels {labels.shape}")
+    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
+    return TensorDataset(x, torch.from_numpy(labels.astype(np.int64)))
+
+
+def imagenet_eval_transform(resize_size: int, crop_size: int, mean, std):
+    """The ImageNet eval transform of torchvision's classification weights (``ImageClassification`` preset):
+    bilinear resize of the short side with antialias, center crop, float in [0, 1], normalise."""
+    from torchvision import transforms as T
+
+    return T.Compose([
+        T.Resize(resize_size, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
+        T.CenterCrop(crop_size),
+        T.PILToTensor(),
+        T.ConvertImageDtype(torch.float32),
+        T.Normalize(mean=list(mean), std=list(std)),
+    ])
+
+
+def imagefolder_classes(root: str) -> list[str]:
+    """Sorted class folder names under ``root`` (ImageFolder's class order). Raises ConfigError when the
+    root is missing, unreadable, or holds no class folder with images."""
+    path = Path(root)
+    if not path.is_dir():
+        raise ConfigError("data.root", f"{root!r} does not exist or is not a directory")
+    try:
+        classes = sorted(e.name for e in path.iterdir() if e.is_dir())
+    except OSError as exc:
+        raise ConfigError("data.root", f"cannot read {root!r}: {exc}") from exc
+    if not classes:
+        raise ConfigError("data.root", f"{root!r} holds no class sub-folders (expected root/<class>/<image>)")
+    if not any(f.suffix.lower() in _IMG_EXTENSIONS for c in classes for f in (path / c).iterdir()):
+        raise ConfigError("data.root", f"{root!r} has class folders but no images in them")
+    return classes
+
+
+def check_data_root(data: Any) -> None:
+    """Preflight: fail before any rank starts when ``data.root`` is missing or empty. Raises ConfigError."""
+    if data.name not in DATASETS:
+        raise ConfigError("data.name", f"unknown dataset {data.name!r}; available: {', '.join(DATASETS)}")
+    if data.name == "digits":
+        return
+    if data.root is None:
+        raise ConfigError("data.root", f"dataset {data.name} needs data.root=PATH")
+    root = Path(data.root)
+    if data.name == "fashion_mnist":
+        if data.download:
+            return
+        if not root.is_dir():
+            raise ConfigError("data.root", f"{data.root!r} does not exist (Fashion-MNIST: install Debian's "
+                              "dataset-fashion-mnist or set data.download=true)")
+        if _fashion_files(root, data.split) is None:
+            raise ConfigError("data.root", f"{data.root!r} has no Fashion-MNIST {data.split} idx files "
+                              "(t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz])")
+    else:
+        imagefolder_classes(data.root)
+
+
+def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
+    """Build the dataset described by the ``data`` config node. Returns ``(dataset, num_classes)``.
+
+    Raises ConfigError (bad key values) or DataError (bad files)."""
+    check_data_root(data)
+    if data.name == "digits":
+        base, num_classes = _digits(data.split), 10
+    elif data.name == "fashion_mnist":
+        base, num_classes = _fashion_mnist(data.root, data.split, data.download), 10
+    else:
+        from torchvision.datasets import ImageFolder
+
+        tf = imagenet_eval_transform(data.resize_size, data.crop_size, data.mean, data.std)
+        base = ImageFolder(data.root, transform=tf)
+        num_classes = len(base.classes)
+    if data.limit is not None and data.limit < 0:
+        raise ConfigError("data.limit", f"must be >= 0 or null, got {data.limit}")
+    return IndexedDataset(base, data.limit), num_classes
+
+
+def dataset_num_classes(data: Any) -> int:
+    """Class count of the configured dataset without loading it (preflight)."""
+    if data.name in ("digits", "fashion_mnist"):
+        return 10
+    return len(imagefolder_classes(data.root))

@@ -1,0 +1,224 @@
+"""The per-rank evaluation loop: exact shard -> forward -> metric.update -> one synchronisation at the end.
+
+``evaluate_shard`` and ``synchronise`` are the reusable pieces (tests and benchmarks call them inside an
+existing process group); ``run_rank`` is a whole rank of ``python -m disteval``; ``worker_entry`` is the
+function torch.distributed.elastic starts in each local rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader
+
+from disteval import precision as prec
+from disteval.comm import (Communicator, RankEnv, destroy_process_group, init_process_group, resolve_backend,
+                           resolve_device)
+from disteval.data import ExactShardSampler, build_dataset
+from disteval.errors import DistevalError
+from disteval.metrics import ClassificationMetrics, SampleIdCoverage, check_coverage, raise_if_incomplete
+from disteval.metrics.base import Metric
+from disteval.models import build_model, resolve_num_classes
+from disteval.records import StatusWriter, rank_dir, read_status
+
+log = logging.getLogger("disteval")
+
+
+class PeerFailedError(DistevalError):
+    """Rank 0 saw another rank's status turn ``failed`` while waiting for it (a victim's error)."""
+
+
+@dataclass
+class ShardOutcome:
+    """What one rank did: its shard ``[start, end)``, samples and batches counted, seconds spent."""
+
+    start: int
+    end: int
+    samples: int = 0
+    batches: int = 0
+    seconds_forward: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: SampleIdCoverage, *,
+                   rank: int, world_size: int, batch_size: int, num_workers: int = 0,
+                   device: torch.device | str = "cpu", precision: Any = None,
+                   status: StatusWriter | None = None,
+                   on_batch: Callable[[int, int], None] | None = None) -> ShardOutcome:
+    """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``).
+
+    No collective is issued here. ``on_batch(batches_done, samples_done)`` is called after each batch
+    (progress display; benchmarks use it to add a naive per-batch collective). Returns a ShardOutcome.
+    Raises DataError from ``metric.update`` for bad labels or non-finite logits.
+    """
+    device = torch.device(device)
+    sampler = ExactShardSampler(len(dataset), world_size, rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        pin_memory=device.type == "cuda", persistent_workers=False)
+    out = ShardOutcome(sampler.start, sampler.end)
+    if status:
+        status.update(phase="forward", samples_planned=len(sampler))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for images, targets, ids in loader:
+            images = images.to(device, non_blocking=True)
+            with prec.autocast(precision, device) if precision is not None else contextlib.nullcontext():
+                logits = model(images)
+            metric.update(logits.float(), targets, ids)
+            coverage.update(ids)
+            out.samples += int(ids.numel())
+            out.batches += 1
+            if status:
+                status.update(samples_done=out.samples, batches_done=out.batches)
+            if on_batch:
+                on_batch(out.batches, out.samples)
+    out.seconds_forward = time.perf_counter() - t0
+    return out
+
+
+def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
+                per_rank_row: list[float]) -> tuple[torch.Tensor, list[list[float]]]:
+    """The one synchronisation of a run: coalesced all_reduce of the sum-states (one per dtype), one
+    variable-size gather of the sample-id runs, one fixed-size gather of a small per-rank float64 row.
+
+    Loads the synced states into ``metric``. Returns ``(all id runs int64 [k, 2], rows of all ranks)``.
+    """
+    states = metric.states()
+    sums = {k: v for k, (v, red) in states.items() if red == "sum"}
+    gathered = {k: torch.cat(comm.all_gather_variable(v)) for k, (v, red) in states.items() if red == "gather"}
+    synced = comm.all_reduce_coalesced(sums)
+    synced.update(gathered)
+    metric.load_synced(synced)
+    runs = torch.cat(comm.all_gather_variable(coverage.runs()))
+    rows = comm.all_gather_variable(torch.tensor([per_rank_row], dtype=torch.float64))
+    return runs, [r[0].tolist() for r in rows]
+
+
+def build_metric(cfg: Any, num_classes: int) -> ClassificationMetrics:
+    """The metric families of ``eval.metrics`` (this version: classification)."""
+    unknown = [m for m in cfg.eval.metrics if m != "classification"]
+    if unknown:
+        raise DistevalError(f"eval.metrics: unknown metric families {unknown}; available: ['classification']")
+    return ClassificationMetrics(num_classes, topk=list(cfg.eval.topk), ece_bins=cfg.eval.ece_bins)
+
+
+def _setup_logging(run_dir: str, rank: int) -> None:
+    path = rank_dir(run_dir, rank) / "log.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def _wait_for_peers(run_dir: str, world_size: int, timeout_s: float, progress) -> None:
+    """Rank 0, after its own shard: refresh the progress display from the peers' status records until
+    every rank reached ``sync`` (bounded by ``timeout_s``). Raises PeerFailedError when a peer failed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = [read_status(run_dir, r) for r in range(world_size)]
+        failed = [r for r, s in enumerate(records) if s and s.get("phase") == "failed"]
+        if failed:
+            raise PeerFailedError(f"rank {failed[0]} failed before the synchronisation")
+        if progress:
+            progress.refresh_from(records)
+        if all(s and s.get("phase") in ("sync", "done") for s in records):
+            return
+        time.sleep(0.2)
+
+
+def run_rank(cfg: Any, run_dir: str, env: RankEnv | None) -> dict | None:
+    """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
+    the coverage check, results.json and the console report. Returns the results dict on rank 0.
+
+    ``env=None`` runs a single process (world size 1) without a launcher. Every exception is recorded in
+    this rank's status.json (type, message, traceback) before it propagates.
+    """
+    from disteval import report
+
+    rank = env.rank if env else 0
+    world_size = env.world_size if env else 1
+    status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))
+    _setup_logging(run_dir, rank)
+    comm = None
+    try:
+        t_total = time.perf_counter()
+        device = resolve_device(cfg.dist.device, env.local_rank if env else 0)
+        backend = resolve_backend(cfg.communication.backend, device)
+        init_process_group(backend, cfg.communication.timeout_s, env)
+        comm = Communicator("cpu" if backend == "gloo" else device,
+                            on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}))
+        if env is not None:  # all ranks agree on rank 0's run directory (matters under external torchrun)
+            run_dir = comm.broadcast_bytes(run_dir.encode() if rank == 0 else None).decode()
+        log.info("rank %d/%d on %s, backend %s, device %s", rank, world_size, status.record["host"], backend,
+                 device)
+        if device.type == "cpu" and env is not None:  # share the cores among the local ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        prec.apply_global_switches(cfg.precision, device)
+        status.update(phase="data")
+        t_load = time.perf_counter()
+        dataset, data_classes = build_dataset(cfg.data)
+        num_classes = resolve_num_classes(cfg.model, data_classes)
+        model = build_model(cfg.model, num_classes, seed=cfg.seed).to(device)
+        metric = build_metric(cfg, num_classes)
+        coverage = SampleIdCoverage()
+        seconds_load = time.perf_counter() - t_load
+        progress = report.GlobalProgress(len(dataset), run_dir, world_size,
+                                         enabled=rank == 0 and cfg.eval.progress)
+        with progress:
+            outcome = evaluate_shard(
+                model, dataset, metric, coverage, rank=rank, world_size=world_size,
+                batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
+                precision=cfg.precision, status=status,
+                on_batch=(lambda b, s: progress.maybe_refresh()) if rank == 0 else None)
+            status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
+            if rank == 0 and world_size > 1:
+                _wait_for_peers(run_dir, world_size, float(cfg.communication.timeout_s), progress)
+            local = metric.local_summary()
+            t_sync = time.perf_counter()
+            row = [float(rank), float(outcome.start), float(outcome.end), float(outcome.samples),
+                   float(outcome.batches), seconds_load, outcome.seconds_forward,
+                   local["accuracy"] if local["accuracy"] is not None else float("nan"),
+                   local["nll"] if local["nll"] is not None else float("nan")]
+            runs, rows = synchronise(metric, coverage, comm, row)
+            seconds_sync = time.perf_counter() - t_sync
+            progress.finish()
+        results = None
+        if rank == 0:
+            cov = check_coverage(runs, len(dataset))
+            raise_if_incomplete(cov)
+            results = report.build_results(
+                cfg, run_dir=run_dir, world_size=world_size, num_samples=len(dataset), num_classes=num_classes,
+                metrics=metric.compute(), coverage=cov, rows=rows, comm=comm.stats(), backend=backend,
+                device=str(device), timings={"load": seconds_load, "forward": outcome.seconds_forward,
+                                             "sync": seconds_sync, "total": time.perf_counter() - t_total})
+            report.write_results(run_dir, results)
+            report.print_metrics(results)
+        status.update(phase="done", force=True)
+        return results
+    except BaseException as exc:
+        status.fail(exc)
+        log.exception("rank %d failed", rank)
+        raise
+    finally:
+        destroy_process_group()
+
+
+@record
+def worker_entry(cfg_container: dict, run_dir: str) -> None:
+    """Entry point of a local rank started by torch.distributed.elastic (reads RANK/WORLD_SIZE/... from the
+    environment). ``cfg_container`` is the resolved job config as a plain dict."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    sys.stdout.reconfigure(line_buffering=True)
+    cfg = OmegaConf.create(cfg_container)
+    run_rank(cfg, str(Path(run_dir)), RankEnv.from_env())

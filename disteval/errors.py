@@ -1,0 +1,34 @@
+"""Exceptions of disteval. Each names what the user must look at: a config key, a file, a rank, a sample id."""
+from __future__ import annotations
+
+
+class DistevalError(Exception):
+    """Base class: an error with a message meant for the user (printed without a traceback by the CLI)."""
+
+
+class ConfigError(DistevalError):
+    """A configuration value is invalid. ``key`` is the dotted config key (e.g. ``data.root``)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class DataError(DistevalError):
+    """Bad input data: a label out of range, non-finite logits, an unreadable file. Names the sample id."""
+
+
+class CheckpointError(DistevalError):
+    """A checkpoint is unreadable, not a plain state dict, or does not fit the model. Names file and parameter."""
+
+
+class CoverageError(DistevalError):
+    """After synchronisation some sample ids in [0, N) were not counted exactly once."""
+
+
+class RankFailedError(DistevalError):
+    """A rank of a distributed run failed. ``rank`` is the culprit (earliest non-network error)."""
+
+    def __init__(self, rank: int | None, message: str):
+        self.rank = rank
+        super().__init__(message)

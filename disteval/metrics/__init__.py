@@ -1,0 +1,9 @@
+"""AGGREGATION LAYER: metric states, merge and compute. Pure: nothing here imports torch.distributed."""
+from disteval.metrics.base import Metric
+from disteval.metrics.classification import ClassificationMetrics
+from disteval.metrics.coverage import CoverageReport, SampleIdCoverage, check_coverage, raise_if_incomplete
+
+METRIC_FAMILIES = ("classification",)
+
+__all__ = ["Metric", "ClassificationMetrics", "SampleIdCoverage", "CoverageReport", "check_coverage",
+           "raise_if_incomplete", "METRIC_FAMILIES"]

@@ -1,0 +1,153 @@
+"""Classification metrics from sufficient statistics: top-k accuracy, confusion matrix (per-class accuracy,
+macro precision / recall / F1), mean cross-entropy (NLL) and expected calibration error.
+
+States (all sum-reduced): ``count`` int64 [], ``correct_topk`` int64 [K], ``confusion`` int64 [C, C]
+(rows = true class, columns = predicted class, as scikit-learn's confusion_matrix), ``nll_sum`` float64 [],
+``ece_count`` int64 [M], ``ece_correct`` int64 [M], ``ece_conf_sum`` float64 [M].
+
+Definitions:
+- prediction = argmax of the logits, ties to the lowest class index (torch.argmax / numpy.argmax);
+- top-k correct when the target is among the first k classes of a stable descending sort of the logits
+  (``numpy.argsort(-logits, kind="stable")[:, :k]``), so ties also go to the lower class index;
+- precision_c = tp/(tp+fp), recall_c = tp/(tp+fn), F1_c = 2tp/(2tp+fp+fn), each 0 when its denominator is 0,
+  macro = unweighted mean over all C classes (scikit-learn's ``average="macro", zero_division=0`` with
+  ``labels=range(C)``);
+- NLL = mean over samples of -log softmax(logits)[target], computed in float64;
+- ECE (Guo et al., "On Calibration of Modern Neural Networks", ICML 2017, eq. 3) with M equal-width bins
+  ((m-1)/M, m/M] of the confidence max softmax: sum_m |B_m|/n * |acc(B_m) - conf(B_m)|.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from disteval.errors import DataError
+from disteval.metrics.base import Metric
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num/den element-wise as float64, 0 where den == 0."""
+    out = np.zeros(num.shape, dtype=np.float64)
+    np.divide(num, den, out=out, where=den != 0)
+    return out
+
+
+class ClassificationMetrics(Metric):
+    """Accumulates classification statistics over batches of logits.
+
+    Args:
+        num_classes: C, the number of classes (targets must lie in [0, C)).
+        topk: the k of top-k accuracy, each in [1, C].
+        ece_bins: M, number of equal-width confidence bins of the ECE.
+
+    Raises ValueError for an invalid k or bin count.
+    """
+
+    def __init__(self, num_classes: int, topk: Sequence[int] = (1, 5), ece_bins: int = 15):
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        bad = [k for k in topk if not 1 <= k <= num_classes]
+        if bad:
+            raise ValueError(f"eval.topk values {bad} outside [1, num_classes={num_classes}]")
+        if ece_bins < 1:
+            raise ValueError(f"eval.ece_bins must be >= 1, got {ece_bins}")
+        self.num_classes = num_classes
+        self.topk = tuple(int(k) for k in topk)
+        self.ece_bins = ece_bins
+        self.add_state("count", torch.zeros((), dtype=torch.int64))
+        self.add_state("correct_topk", torch.zeros(len(self.topk), dtype=torch.int64))
+        self.add_state("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64))
+        self.add_state("nll_sum", torch.zeros((), dtype=torch.float64))
+        self.add_state("ece_count", torch.zeros(ece_bins, dtype=torch.int64))
+        self.add_state("ece_correct", torch.zeros(ece_bins, dtype=torch.int64))
+        self.add_state("ece_conf_sum", torch.zeros(ece_bins, dtype=torch.float64))
+
+    def check_batch(self, logits: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Validate one batch. Raises DataError naming the sample id(s) for a label outside [0, C) or
+        non-finite logits, and for shape mismatches."""
+        if logits.ndim != 2 or logits.shape[1] != self.num_classes:
+            raise DataError(f"model outputs logits of shape {tuple(logits.shape)} but the dataset has "
+                            f"{self.num_classes} classes (expected [batch, {self.num_classes}]; check "
+                            f"model.num_classes and data.root)")
+        if targets.shape != (logits.shape[0],) or sample_ids.shape != (logits.shape[0],):
+            raise DataError(f"batch of {logits.shape[0]} logits with targets {tuple(targets.shape)} and "
+                            f"sample ids {tuple(sample_ids.shape)}")
+        bad = (targets < 0) | (targets >= self.num_classes)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise DataError(f"sample id {int(sample_ids[i])}: label {int(targets[i])} outside "
+                            f"[0, {self.num_classes}) ({int(bad.sum())} such labels in this batch)")
+        finite = torch.isfinite(logits).all(dim=1)
+        if not bool(finite.all()):
+            ids = sample_ids[~finite][:5].tolist()
+            raise DataError(f"non-finite logits (nan or inf) for sample id(s) {ids} "
+                            f"({int((~finite).sum())} in this batch)")
+
+    @torch.no_grad()
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Add a batch. outputs: logits float [B, C] (any float dtype; promoted to float64);
+        targets: int64 [B] in [0, C); sample_ids: int64 [B]. Raises DataError on bad input."""
+        outputs, targets, sample_ids = outputs.detach().cpu(), targets.cpu().long(), sample_ids.cpu()
+        self.check_batch(outputs, targets, sample_ids)
+        if outputs.shape[0] == 0:
+            return
+        c = self.num_classes
+        lg = outputs.to(torch.float64)
+        logp = torch.log_softmax(lg, dim=1)
+        rows = torch.arange(lg.shape[0])
+        target_logit = lg[rows, targets]
+        # rank of the target in a stable descending sort: strictly larger + equal with a lower index
+        lower = torch.arange(c).unsqueeze(0) < targets.unsqueeze(1)
+        rank = (lg > target_logit[:, None]).sum(1) + ((lg == target_logit[:, None]) & lower).sum(1)
+        pred = lg.argmax(dim=1)
+        correct = pred == targets
+        s = self._states
+        s["count"] += lg.shape[0]
+        s["correct_topk"] += torch.stack([(rank < k).sum() for k in self.topk])
+        s["confusion"] += torch.bincount(targets * c + pred, minlength=c * c).reshape(c, c)
+        s["nll_sum"] += -logp[rows, targets].sum()
+        conf = logp.max(dim=1).values.exp()
+        m = self.ece_bins
+        bins = (torch.ceil(conf * m).long() - 1).clamp_(0, m - 1)
+        s["ece_count"] += torch.bincount(bins, minlength=m)
+        s["ece_correct"] += torch.bincount(bins[correct], minlength=m)
+        s["ece_conf_sum"].index_add_(0, bins, conf)
+
+    def compute(self) -> dict:
+        """Metric values (floats; None where undefined, e.g. with zero samples):
+        ``num_samples``, ``top{k}``, ``accuracy``, ``macro_precision``, ``macro_recall``, ``macro_f1``,
+        ``nll``, ``ece``, ``per_class_accuracy`` (list of C, None for classes without samples),
+        ``per_class_support`` (list of C ints)."""
+        s = {k: v.numpy() for k, v in self._states.items()}
+        n = int(s["count"])
+        cm = s["confusion"]
+        tp = np.diag(cm).astype(np.int64)
+        support = cm.sum(axis=1)
+        predicted = cm.sum(axis=0)
+        fp, fn = predicted - tp, support - tp
+        nan = float("nan")
+        out: dict = {"num_samples": n}
+        for k, corr in zip(self.topk, s["correct_topk"].tolist()):
+            out[f"top{k}"] = corr / n if n else nan
+        out["accuracy"] = int(tp.sum()) / n if n else nan
+        out["macro_precision"] = float(_ratio(tp, tp + fp).mean())
+        out["macro_recall"] = float(_ratio(tp, tp + fn).mean())
+        out["macro_f1"] = float(_ratio(2 * tp, 2 * tp + fp + fn).mean())
+        out["nll"] = float(s["nll_sum"]) / n if n else nan
+        out["ece_bins"] = self.ece_bins
+        out["ece"] = float(np.abs(s["ece_correct"] - s["ece_conf_sum"]).sum()) / n if n else nan
+        per_class = np.full(self.num_classes, np.nan)
+        np.divide(tp, support, out=per_class, where=support != 0)
+        out["per_class_accuracy"] = [None if np.isnan(v) else float(v) for v in per_class]
+        out["per_class_support"] = support.tolist()
+        return out
+
+    def local_summary(self) -> dict:
+        """Small per-rank view of the *local* states (before sync): samples, top-1 accuracy, NLL."""
+        n = int(self._states["count"])
+        top1 = int(self._states["confusion"].diagonal().sum())
+        return {"samples": n, "accuracy": top1 / n if n else None,
+                "nll": float(self._states["nll_sum"]) / n if n else None}

@@ -1,0 +1,123 @@
+"""Model builders: the reference networks of this package and torchvision classification models by name.
+
+Weights, in order of precedence: ``model.checkpoint`` (a local plain state dict), ``model.weights``
+(``shipped`` for the reference CNNs, or a torchvision weights enum name such as IMAGENET1K_V1), else random
+initialisation (seeded by ``seed``).
+"""
+from __future__ import annotations
+
+import importlib.resources
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+from disteval.errors import CheckpointError, ConfigError
+from disteval.models.checkpoint import check_state_dict, load_state_dict_file
+from disteval.models.reference_cnn import REFERENCE_MODELS, SHIPPED_CHECKPOINTS
+
+
+def available_models() -> list[str]:
+    """Reference model names followed by torchvision's classification model names."""
+    return sorted(REFERENCE_MODELS) + torchvision.models.list_models(module=torchvision.models)
+
+
+def shipped_checkpoint(name: str) -> str:
+    """Path of the checkpoint shipped inside the package for reference model ``name``."""
+    if name not in SHIPPED_CHECKPOINTS:
+        raise ConfigError("model.weights", f"'shipped' weights exist only for {sorted(SHIPPED_CHECKPOINTS)}, "
+                          f"not {name!r}")
+    path = importlib.resources.files("disteval.models") / "checkpoints" / SHIPPED_CHECKPOINTS[name]
+    if not path.is_file():
+        raise CheckpointError(f"shipped checkpoint {path} is missing: run scripts/train_reference_cnns.py")
+    return str(path)
+
+
+def _torchvision_weights(name: str, weights: str):
+    try:
+        return torchvision.models.get_model_weights(name)[weights]
+    except KeyError:
+        options = [w.name for w in torchvision.models.get_model_weights(name)]
+        raise ConfigError("model.weights", f"{weights!r} is not a weights name of {name} "
+                          f"(available: {options + ['null']})") from None
+
+
+def weights_plan(model: Any) -> tuple[str, Any]:
+    """Decide where the weights come from: ``("checkpoint", path)``, ``("torchvision", WeightsEnum)``
+    or ``("random", None)``. Raises ConfigError for an unknown model name or weights name."""
+    if model.name not in REFERENCE_MODELS and model.name not in torchvision.models.list_models(
+            module=torchvision.models):
+        raise ConfigError("model.name", f"unknown model {model.name!r}; reference models: "
+                          f"{sorted(REFERENCE_MODELS)}, or any torchvision classification model "
+                          "(torchvision.models.list_models(module=torchvision.models))")
+    if model.checkpoint:
+        return "checkpoint", str(model.checkpoint)
+    if model.weights in (None, "", "none", "null"):
+        return "random", None
+    if model.name in REFERENCE_MODELS:
+        if model.weights != "shipped":
+            raise ConfigError("model.weights", f"{model.name} takes weights=shipped or null, not {model.weights!r}")
+        return "checkpoint", shipped_checkpoint(model.name)
+    return "torchvision", _torchvision_weights(model.name, model.weights)
+
+
+def _architecture(model: Any, num_classes: int) -> nn.Module:
+    kwargs = dict(model.kwargs or {})
+    if model.name in REFERENCE_MODELS:
+        return REFERENCE_MODELS[model.name](num_classes=num_classes, **kwargs)
+    return torchvision.models.get_model(model.name, weights=None, num_classes=num_classes, **kwargs)
+
+
+def resolve_num_classes(model: Any, dataset_classes: int | None) -> int:
+    """Output classes: model.num_classes, else the torchvision weights' categories, else the dataset's."""
+    plan, weights = weights_plan(model)
+    if plan == "torchvision":
+        n = len(weights.meta["categories"])
+        if model.num_classes not in (None, n):
+            raise ConfigError("model.num_classes", f"{model.weights} weights of {model.name} have {n} classes, "
+                              f"not {model.num_classes}")
+        return n
+    if model.num_classes is not None:
+        return int(model.num_classes)
+    if dataset_classes is None:
+        raise ConfigError("model.num_classes", "cannot infer the number of classes; set model.num_classes")
+    return dataset_classes
+
+
+def preflight_model(model: Any, num_classes: int) -> None:
+    """Driver-side checks before any rank starts: the architecture builds (on the meta device, no memory),
+    a checkpoint loads with weights_only=True and fits it, torchvision weights are in torch.hub's cache
+    (downloaded here, once, when missing). Raises ConfigError or CheckpointError."""
+    plan, source = weights_plan(model)
+    with torch.device("meta"):
+        try:
+            net = _architecture(model, num_classes)
+        except TypeError as exc:
+            raise ConfigError("model.kwargs", f"{model.name} does not accept {dict(model.kwargs)}: {exc}") from exc
+    if plan == "checkpoint":
+        check_state_dict(net, load_state_dict_file(source), source)
+    elif plan == "torchvision":
+        try:
+            source.get_state_dict(progress=False, check_hash=True)
+        except Exception as exc:  # noqa: BLE001 - offline machines land here
+            raise ConfigError("model.weights", f"cannot fetch {model.name} {model.weights} from {source.url} "
+                              f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH to a local "
+                              "state dict") from exc
+
+
+def build_model(model: Any, num_classes: int, seed: int = 0) -> nn.Module:
+    """Build the configured model on CPU in eval mode with its weights loaded (strict).
+
+    Raises ConfigError / CheckpointError (see ``preflight_model``)."""
+    plan, source = weights_plan(model)
+    torch.manual_seed(seed)
+    if plan == "torchvision":
+        net = torchvision.models.get_model(model.name, weights=source, **dict(model.kwargs or {}))
+    else:
+        net = _architecture(model, num_classes)
+        if plan == "checkpoint":
+            state = load_state_dict_file(source)
+            check_state_dict(net, state, source)
+            net.load_state_dict(state, strict=True)
+    return net.eval()

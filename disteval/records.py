@@ -1,0 +1,156 @@
+"""Run records: per-rank status.json and the run's results.json (the contract with diagnostics).
+
+Layout (see DESIGN.md)::
+
+    RUN_DIR/results.json                 rank 0, atomic
+    RUN_DIR/ranks/rank{r}/status.json    atomic, every ``eval.status_interval_s`` seconds and at phase changes
+    RUN_DIR/ranks/rank{r}/log.txt        that rank's log
+
+All writes are atomic: write a temporary file in the same directory, fsync, rename.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+PHASES = ("init", "data", "forward", "sync", "done", "failed")
+
+# Messages that a rank sees when a *peer* died or stalled; such a rank is a victim, not the culprit.
+_NETWORK_PATTERNS = re.compile(
+    r"connection closed|connection reset|connection refused|broken pipe|timed out|timeout|"
+    r"recv|send|socket|gloo|nccl|peer|DistNetworkError|DistBackendError|DistStoreError|"
+    r"SIGTERM|terminated by signal",
+    re.IGNORECASE,
+)
+_NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "PeerFailedError",
+                  "ConnectionError", "ConnectionResetError", "BrokenPipeError", "TimeoutError",
+                  "SignalException"}
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically. NaN/inf are refused (written as null by callers)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+
+def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
+    """``RUN_DIR/ranks/rank{rank}``."""
+    return Path(run_dir) / "ranks" / f"rank{rank}"
+
+
+def status_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return rank_dir(run_dir, rank) / "status.json"
+
+
+def read_status(run_dir: str | os.PathLike, rank: int) -> dict | None:
+    """The last status record of ``rank``, or None when it has none (never started) or it is unreadable."""
+    try:
+        return json.loads(status_path(run_dir, rank).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_network_error(error: dict | None) -> bool:
+    """True when an ``error`` record ({type, message}) looks like a consequence of a peer's failure
+    (connection closed, timeout, backend error) rather than a rank's own fault."""
+    if not error:
+        return False
+    if error.get("type") in _NETWORK_TYPES:
+        return True
+    return bool(_NETWORK_PATTERNS.search(str(error.get("message", ""))[:500])) and error.get("type") in (
+        "RuntimeError", "DistError", None, "")
+
+
+@dataclass
+class StatusWriter:
+    """Writes ``RUN_DIR/ranks/rank{r}/status.json`` for one rank.
+
+    ``update(...)`` rewrites the file when the phase changes, when ``force`` is set, or when at least
+    ``interval_s`` seconds passed since the last write. Fields follow DESIGN.md's schema.
+    """
+
+    run_dir: str
+    rank: int
+    world_size: int
+    interval_s: float = 1.0
+    record: dict = field(default_factory=dict)
+    _last_write: float = 0.0
+
+    def __post_init__(self) -> None:
+        now = time.time()
+        self.record = {
+            "schema_version": SCHEMA_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "phase": "init",
+            "t_start": now,
+            "t_update": now,
+            "samples_done": 0,
+            "samples_planned": None,
+            "batches_done": 0,
+            "last_collective": None,
+            "error": None,
+        }
+        self._write()
+
+    def update(self, force: bool = False, **fields: Any) -> None:
+        """Merge ``fields`` into the record; write it if the phase changed, ``force``, or the interval passed."""
+        phase_changed = "phase" in fields and fields["phase"] != self.record["phase"]
+        self.record.update(fields)
+        if force or phase_changed or time.time() - self._last_write >= self.interval_s:
+            self._write()
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` (type, message, traceback) and phase ``failed``."""
+        self.record["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc)),
+            "time": time.time(),
+        }
+        self.update(force=True, phase="failed")
+
+    def _write(self) -> None:
+        self.record["t_update"] = time.time()
+        atomic_write_json(status_path(self.run_dir, self.rank), self.record)
+        self._last_write = time.time()
+
+
+def json_safe(value: Any) -> Any:
+    """Replace float NaN/inf by None recursively, so results are valid JSON (undefined metric = null)."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -1,0 +1,169 @@
+"""Console output (rich) and results.json assembly.
+
+results.json fields (schema_version 1, see DESIGN.md): schema_version, experiment, run_dir, world_size,
+dataset {name, split, root, num_samples, num_classes}, model {name, weights, checkpoint}, metrics {...},
+coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank, host, shard [start, end),
+samples, batches, metrics {accuracy, nll}, seconds {load, forward}, images_per_s}], timings {load, forward,
+sync, total} (seconds, rank 0's clock; forward = slowest rank), throughput {images_per_s},
+comm {collectives, bytes, by_op, backend}, precision, device, versions, config_digest, created.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from disteval.records import SCHEMA_VERSION, atomic_write_json, json_safe, read_status
+
+ROW_FIELDS = ("rank", "start", "end", "samples", "batches", "seconds_load", "seconds_forward", "accuracy", "nll")
+_console = Console()
+
+
+class GlobalProgress:
+    """Rank 0's progress bar of the whole run: samples counted by all ranks (read from their status.json,
+    no collective), and the global rate in images/s. A no-op when ``enabled`` is False."""
+
+    def __init__(self, total: int, run_dir: str, world_size: int, enabled: bool = True, every_s: float = 0.5):
+        self.total, self.run_dir, self.world_size = total, run_dir, world_size
+        self.enabled, self.every_s = enabled, every_s
+        self._last = 0.0
+        self._t0 = time.perf_counter()
+        self._progress = Progress(TextColumn("[bold]evaluating"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[rate]} images/s"), TimeElapsedColumn(),
+                                  console=_console, transient=False) if enabled else None
+        self._task = None
+
+    def __enter__(self) -> "GlobalProgress":
+        if self._progress:
+            self._progress.start()
+            self._task = self._progress.add_task("eval", total=self.total, rate="-")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress:
+            self._progress.stop()
+
+    def _set(self, done: int) -> None:
+        rate = done / max(time.perf_counter() - self._t0, 1e-9)
+        self._progress.update(self._task, completed=done, rate=f"{rate:,.0f}")
+
+    def refresh_from(self, records: list[dict | None]) -> None:
+        if self._progress:
+            self._set(sum(int(r.get("samples_done") or 0) for r in records if r))
+
+    def maybe_refresh(self) -> None:
+        if self._progress and time.perf_counter() - self._last >= self.every_s:
+            self._last = time.perf_counter()
+            self.refresh_from([read_status(self.run_dir, r) for r in range(self.world_size)])
+
+    def finish(self) -> None:
+        if self._progress:
+            self._set(self.total)
+
+
+def config_digest(cfg: Any) -> str:
+    """sha256 of the resolved job config (canonical JSON), identifying what was evaluated."""
+    container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    return "sha256:" + hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def versions() -> dict:
+    import hydra
+    import numpy
+    import torch
+    import torchvision
+
+    import disteval
+
+    return {"disteval": disteval.__version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "hydra": hydra.__version__, "numpy": numpy.__version__}
+
+
+def build_results(cfg: Any, *, run_dir: str, world_size: int, num_samples: int, num_classes: int, metrics: dict,
+                  coverage, rows: list[list[float]], comm: dict, backend: str, device: str,
+                  timings: dict) -> dict:
+    """Assemble the results.json record (see module docstring). ``rows`` are the per-rank float rows of
+    ``ROW_FIELDS`` gathered at synchronisation."""
+    per_rank = []
+    for row in rows:
+        r = dict(zip(ROW_FIELDS, row))
+        rank = int(r["rank"])
+        status = read_status(run_dir, rank) or {}
+        fwd = r["seconds_forward"]
+        per_rank.append({
+            "rank": rank, "host": status.get("host"), "shard": [int(r["start"]), int(r["end"])],
+            "samples": int(r["samples"]), "batches": int(r["batches"]),
+            "metrics": {"accuracy": r["accuracy"], "nll": r["nll"]},
+            "seconds": {"load": r["seconds_load"], "forward": fwd},
+            "images_per_s": r["samples"] / fwd if fwd > 0 else None,
+        })
+    slowest = max((p["seconds"]["forward"] for p in per_rank), default=0.0)
+    timings = dict(timings, forward=slowest)
+    experiment = cfg.get("experiment_name") if hasattr(cfg, "get") else None
+    return json_safe({
+        "schema_version": SCHEMA_VERSION,
+        "experiment": experiment or "default",
+        "run_dir": str(run_dir),
+        "world_size": world_size,
+        "dataset": {"name": cfg.data.name, "split": cfg.data.split, "root": cfg.data.root,
+                    "num_samples": num_samples, "num_classes": num_classes},
+        "model": {"name": cfg.model.name, "weights": cfg.model.weights, "checkpoint": cfg.model.checkpoint},
+        "metrics": metrics,
+        "coverage": coverage.as_dict(),
+        "per_rank": per_rank,
+        "timings": timings,
+        "throughput": {"images_per_s": num_samples / slowest if slowest > 0 else None},
+        "comm": dict(comm, backend=backend),
+        "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
+                      "deterministic": bool(cfg.precision.deterministic)},
+        "device": device,
+        "versions": versions(),
+        "config_digest": config_digest(cfg),
+        "created": time.time(),
+    })
+
+
+def write_results(run_dir: str, results: dict) -> Path:
+    """Write RUN_DIR/results.json atomically; returns its path."""
+    path = Path(run_dir) / "results.json"
+    atomic_write_json(path, results)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def print_metrics(results: dict, console: Console | None = None) -> None:
+    """Print the metrics table (rich) and where results.json went."""
+    console = console or _console
+    m = results["metrics"]
+    table = Table(title=f"disteval: {results['model']['name']} on {results['dataset']['name']} "
+                        f"({results['dataset']['num_samples']} samples, world size {results['world_size']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    labels = {"accuracy": None, "macro_precision": "macro precision", "macro_recall": "macro recall",
+              "macro_f1": "macro F1", "nll": "NLL (mean cross-entropy)", "ece": f"ECE ({m.get('ece_bins')} bins)"}
+    for key, value in m.items():
+        if key.startswith("top") and key[3:].isdigit():
+            table.add_row(f"top-{key[3:]} accuracy", _fmt(value))
+    for key, label in labels.items():
+        if label and key in m:
+            table.add_row(label, _fmt(m[key]))
+    t, tp = results["timings"], results["throughput"]["images_per_s"]
+    table.add_row("throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
+    table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
+    table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
+    console.print(table)
+    console.print(f"results: {Path(results['run_dir']) / 'results.json'}")

@@ -1,0 +1,1 @@
+"""How ranks come to exist: ``local`` (torch.distributed.elastic on this machine)."""

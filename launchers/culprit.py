@@ -1,0 +1,48 @@
+"""Naming the rank that caused a failed run, from every rank's status.json (not a peer's network error).
+
+Rule (DESIGN.md): the culprit is the rank with the earliest non-network error; else a rank that died
+(killed by a signal, non-zero exit) without recording any error; else the earliest network error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disteval.records import is_network_error, read_status
+
+
+@dataclass
+class Culprit:
+    """The failing rank and a one-line explanation (its own error type and message, or how it died)."""
+
+    rank: int | None
+    message: str
+    traceback: str = ""
+
+
+def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = None) -> Culprit:
+    """Choose the culprit. ``deaths`` maps rank -> how the launcher saw it end (e.g. "killed by SIGKILL")."""
+    deaths = deaths or {}
+    records = {r: read_status(run_dir, r) for r in range(world_size)}
+    errors = [(s["error"].get("time", s.get("t_update", 0.0)), r, s) for r, s in records.items()
+              if s and s.get("error")]
+    own = sorted(e for e in errors if not is_network_error(e[2]["error"]))
+    if own:
+        _, r, s = own[0]
+        err = s["error"]
+        return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
+    silent = [r for r in sorted(deaths) if not (records.get(r) or {}).get("error")]
+    if silent:
+        r = silent[0]
+        s = records.get(r)
+        where = (f"in phase {s.get('phase')!r} after {s.get('samples_done')}/{s.get('samples_planned')} samples"
+                 if s else "before writing any status record")
+        return Culprit(r, f"rank {r} {deaths[r]} without recording an error, {where}")
+    never = [r for r, s in records.items() if s is None]
+    if never:
+        return Culprit(never[0], f"rank {never[0]} never started (no status record)")
+    if errors:
+        _, r, s = sorted(errors)[0]
+        err = s["error"]
+        return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
+    return Culprit(None, "the run failed but no rank recorded an error: " + "; ".join(
+        f"rank {r} {how}" for r, how in sorted(deaths.items())) if deaths else "the run failed")
