@@ -1,0 +1,40 @@
+"""Shared test helpers: running ``python -m disteval`` as a user would, and where ../shared lives."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helper modules, also for spawned ranks
+
+
+def run_disteval(*overrides: str, run_dir: Path, timeout: float = 300, env: dict | None = None,
+                 cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m disteval hydra.run.dir=RUN_DIR *overrides`` from a folder outside the checkout."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120")
+    full_env.update(env or {})
+    args = (cmd or [sys.executable, "-m", "disteval"]) + [f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(args, cwd=run_dir.parent, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """Call as ``cli(*overrides)``; returns (CompletedProcess, run_dir)."""
+    counter = iter(range(1000))
+
+    def _run(*overrides: str, **kw):
+        run_dir = tmp_path / f"run{next(counter)}"
+        return run_disteval(*overrides, run_dir=run_dir, **kw), run_dir
+
+    return _run

@@ -1,0 +1,82 @@
+"""Functions run inside real ranks (started by launchers.local.launch) by the distributed tests.
+Each starts the process group once and runs many cases inside it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import TensorDataset
+
+from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
+from disteval.data import IndexedDataset
+from disteval.engine import evaluate_shard, synchronise
+from disteval.metrics import ClassificationMetrics, SampleIdCoverage, check_coverage
+from disteval.records import StatusWriter
+
+NUM_CLASSES = 7
+TOPK = (1, 3)
+
+
+def synthetic_logits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic logits float32 [n, 7] (half of the cases rounded, so ties occur) and labels [n]."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(scale=2.0, size=(n, NUM_CLASSES)).astype(np.float32)
+    if seed % 2:
+        logits = np.round(logits * 2) / 2
+    return logits, rng.integers(0, NUM_CLASSES, size=n)
+
+
+@record
+def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
+    """For each (N, batch size): evaluate an identity model over synthetic logits on this rank's exact shard,
+    synchronise once, and on rank 0 write the computed metrics, coverage and collective counts."""
+    env = RankEnv.from_env()
+    status = StatusWriter(out_dir, env.rank, env.world_size)
+    try:
+        init_process_group("gloo", 120, env)
+        comm = Communicator()
+        model = torch.nn.Identity()
+        for n, batch_size in cases:
+            logits, labels = synthetic_logits(n, seed=n)
+            dataset = IndexedDataset(TensorDataset(torch.from_numpy(logits), torch.from_numpy(labels)))
+            metric = ClassificationMetrics(NUM_CLASSES, topk=TOPK)
+            coverage = SampleIdCoverage()
+            outcome = evaluate_shard(model, dataset, metric, coverage, rank=env.rank, world_size=env.world_size,
+                                     batch_size=batch_size)
+            before = comm.collectives
+            runs, rows = synchronise(metric, coverage, comm, [float(env.rank), float(outcome.samples)])
+            if env.rank == 0:
+                rep = check_coverage(runs, n)
+                out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
+                       "batches": outcome.batches, "rank_samples": [int(r[1]) for r in rows]}
+                Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
+        status.update(phase="done", force=True)
+    except BaseException as exc:
+        status.fail(exc)
+        raise
+    finally:
+        destroy_process_group()
+
+
+@record
+def padding_worker(out_dir: str) -> None:
+    """N=10 at W=4 with a model right only on items 0 and 1 (logits favour the label only there)."""
+    env = RankEnv.from_env()
+    init_process_group("gloo", 60, env)
+    try:
+        labels = torch.zeros(10, dtype=torch.long)
+        logits = torch.zeros(10, 2)
+        logits[:, 1] = 1.0
+        logits[:2] = torch.tensor([1.0, 0.0])
+        metric, coverage = ClassificationMetrics(2, topk=(1,)), SampleIdCoverage()
+        evaluate_shard(torch.nn.Identity(), IndexedDataset(TensorDataset(logits, labels)), metric, coverage,
+                       rank=env.rank, world_size=env.world_size, batch_size=4)
+        runs, _ = synchronise(metric, coverage, Communicator(), [0.0])
+        if env.rank == 0:
+            Path(out_dir, "padding.json").write_text(json.dumps(
+                {"top1": metric.compute()["top1"], "coverage_ok": check_coverage(runs, 10).ok}))
+    finally:
+        destroy_process_group()

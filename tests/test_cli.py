@@ -1,0 +1,198 @@
+"""``python -m disteval`` end to end, as a user runs it: real ranks, real data, real failures."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+from conftest import REPO, load_results, run_disteval
+from disteval.models.reference_cnn import DigitsCNN
+from reference import reference_metrics
+
+FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
+CKPT = REPO / "disteval" / "models" / "checkpoints"
+needs_fashion = pytest.mark.skipif(not os.path.isdir(FASHION_ROOT),
+                                   reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it)")
+
+
+def _digits_reference() -> dict:
+    """Independent single-process reference: sklearn's split, the shipped checkpoint, one forward pass."""
+    x, y = load_digits(return_X_y=True)
+    _, x_te, _, y_te = train_test_split(x, y, test_size=0.3, random_state=0, stratify=y)
+    model = DigitsCNN()
+    model.load_state_dict(torch.load(CKPT / "digits_cnn.pt", weights_only=True))
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(x_te / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)).numpy()
+    return reference_metrics(logits, y_te, 10, topk=(1, 5))
+
+
+def _close(got: dict, want: dict) -> None:
+    """Counts exactly; floats derived from model outputs within 1e-5 (batching changes float32 rounding)."""
+    assert got["num_samples"] == want["num_samples"]
+    for k in ("top1", "top5", "accuracy"):
+        assert got[k] * got["num_samples"] == pytest.approx(want[k] * want["num_samples"], abs=1e-9), k
+    for k in ("macro_precision", "macro_recall", "macro_f1"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12), k
+    for k in ("nll", "ece"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_default_job_two_ranks_equals_reference(cli):
+    proc, run_dir = cli()
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    assert res["world_size"] == 2 and res["dataset"]["num_samples"] == 540
+    _close(res["metrics"], _digits_reference())
+    assert res["metrics"]["top1"] == pytest.approx(0.9852, abs=1e-4)  # as README states
+    assert [p["shard"] for p in res["per_rank"]] == [[0, 270], [270, 540]]
+    assert sum(p["samples"] for p in res["per_rank"]) == 540 and res["coverage"]["ok"]
+    for key in ("timings", "throughput", "comm", "versions", "config_digest", "schema_version"):
+        assert key in res
+    assert set(res["timings"]) == {"load", "forward", "sync", "total"}
+    assert res["comm"]["collectives"] <= 10
+    for r in range(2):
+        status = json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())
+        assert status["phase"] == "done" and status["samples_done"] == 270 and status["error"] is None
+        assert (run_dir / "ranks" / f"rank{r}" / "log.txt").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "top-1 accuracy" in proc.stdout
+
+
+def test_world_size_changes_nothing(cli):
+    """W=1 and W=3 with another batch size give the same counts as the default W=2 run."""
+    want = _digits_reference()
+    for overrides in (["dist.world_size=1"], ["dist.world_size=3", "data.batch_size=7"]):
+        proc, run_dir = cli(*overrides)
+        assert proc.returncode == 0, proc.stderr
+        _close(load_results(run_dir)["metrics"], want)
+
+
+def test_under_external_torchrun(cli):
+    proc, run_dir = cli("data.batch_size=13", cmd=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc-per-node=2", "-m", "disteval"])
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    assert res["world_size"] == 2
+    _close(res["metrics"], _digits_reference())
+
+
+@needs_fashion
+def test_fashion_mnist_full_test_set(cli):
+    proc, run_dir = cli("+experiment=fashion_mnist")
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    assert res["dataset"]["num_samples"] == 10_000 and res["experiment"] == "fashion_mnist"
+    assert res["metrics"]["top1"] == pytest.approx(0.9207, abs=1e-4)  # as README states
+    assert res["coverage"] == {"num_samples": 10000, "missing": 0, "duplicated": 0, "out_of_range": 0, "ok": True}
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def _fake_fashion(root, labels) -> None:
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    _write_idx(root / "t10k-images-idx3-ubyte", rng.integers(0, 255, size=(len(labels), 28, 28)))
+    _write_idx(root / "t10k-labels-idx1-ubyte", np.asarray(labels))
+
+
+def test_label_out_of_range_names_rank_sample_and_label(cli, tmp_path):
+    labels = [0, 1, 2, 3, 4, 5, 6, 7, 12, 9]
+    _fake_fashion(tmp_path / "fm", labels)
+    proc, run_dir = cli("+experiment=fashion_mnist", f"data.root={tmp_path / 'fm'}")
+    assert proc.returncode == 1
+    assert "rank 1 failed: DataError: sample id 8: label 12 outside [0, 10)" in " ".join(proc.stderr.split())
+    assert not (run_dir / "results.json").exists()
+    status = json.loads((run_dir / "ranks" / "rank1" / "status.json").read_text())
+    assert status["phase"] == "failed" and "label 12" in status["error"]["message"]
+    assert "Traceback" in status["error"]["traceback"]
+
+
+def test_non_finite_logits_name_sample(cli, tmp_path):
+    state = torch.load(CKPT / "digits_cnn.pt", weights_only=True)
+    state["classifier.3.bias"][4] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    proc, run_dir = cli(f"model.checkpoint={tmp_path / 'nan.pt'}")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 1
+    assert "DataError: non-finite logits (nan or inf) for sample id(s) [" in text
+    assert "[0, 1, 2, 3, 4]" in text or "[270, 271, 272, 273, 274]" in text
+
+
+@pytest.mark.parametrize("root", ["/nonexistent/fm", "EMPTY"])
+def test_missing_or_empty_data_root_fails_before_ranks(cli, tmp_path, root):
+    if root == "EMPTY":
+        root = tmp_path / "empty"
+        root.mkdir()
+    for exp in ("fashion_mnist", "imagenet_vit"):
+        proc, run_dir = cli(f"+experiment={exp}", f"data.root={root}", "model.checkpoint=/x.pt")
+        assert proc.returncode == 2, proc.stderr
+        text = " ".join(proc.stderr.split())
+        assert "data.root" in text and str(root) in text
+        assert not (run_dir / "ranks").exists()  # no rank ever started
+
+
+def test_checkpoint_errors_before_ranks(cli, tmp_path):
+    torch.save(DigitsCNN(num_classes=5).state_dict(), tmp_path / "five.pt")
+    proc, run_dir = cli(f"model.checkpoint={tmp_path / 'five.pt'}")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "'classifier.3.weight' has shape (5, 64)" in text and "(10, 64)" in text
+    torch.save(DigitsCNN(), tmp_path / "module.pt")  # a pickled nn.Module, not a state dict
+    proc, _ = cli(f"model.checkpoint={tmp_path / 'module.pt'}")
+    assert proc.returncode == 2 and "not a plain state dict" in " ".join(proc.stderr.split())
+    torch.save({"epoch": 3, "model": DigitsCNN().state_dict()}, tmp_path / "train.pt")
+    proc, _ = cli(f"model.checkpoint={tmp_path / 'train.pt'}")
+    assert proc.returncode == 2 and "not a plain state dict" in " ".join(proc.stderr.split())
+    assert not (run_dir / "ranks").exists()
+
+
+@pytest.mark.parametrize("override,key", [("precision.count_dtype=float32", "precision.count_dtype"),
+                                          ("precision.sum_dtype=float16", "precision.sum_dtype"),
+                                          ("eval.topk=[1,20]", "eval.topk"),
+                                          ("dist.world_size=0", "dist.world_size")])
+def test_refused_configs_name_the_key(cli, override, key):
+    proc, run_dir = cli(override)
+    assert proc.returncode == 2 and key in proc.stderr
+    assert not (run_dir / "ranks").exists()
+
+
+def test_schema_error_from_cli_names_key(cli):
+    proc, _ = cli("data.batchsize=3")
+    assert proc.returncode != 0 and "data.batchsize" in proc.stderr
+
+
+@needs_fashion
+def test_killed_rank_stops_all_and_is_named(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "disteval", "+experiment=fashion_mnist", "data.batch_size=1",
+           "eval.status_interval_s=0.2", f"hydra.run.dir={run_dir}"]
+    driver = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    status_file = run_dir / "ranks" / "rank1" / "status.json"
+    deadline = time.time() + 120
+    status = None
+    while time.time() < deadline:
+        try:
+            status = json.loads(status_file.read_text())
+            if status["phase"] == "forward" and status["samples_done"] > 0:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    assert status and status["phase"] == "forward", status
+    os.kill(status["pid"], signal.SIGKILL)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode == 1
+    assert "rank 1 was killed by SIGKILL" in " ".join(err.split())
+    pids = [json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())["pid"] for r in range(2)]
+    time.sleep(0.5)
+    for pid in pids:  # no process left behind
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

@@ -1,0 +1,35 @@
+"""Exactness with real processes (gloo): for N in {1, 2, 7, 97, 1000}, W in {1, 2, 3, 4} and batch size in
+{1, 7, 64}, every metric equals a single-process numpy/scikit-learn reference; the collectives issued do
+not depend on the number of batches. One group of W ranks runs all 15 cases of its W."""
+import json
+
+import pytest
+
+from dist_workers import NUM_CLASSES, TOPK, exactness_worker, padding_worker, synthetic_logits
+from launchers.local import launch
+from reference import assert_metrics_equal, reference_metrics
+
+SIZES = [1, 2, 7, 97, 1000]
+BATCHES = [1, 7, 64]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_metrics_equal_single_process_reference(world_size, tmp_path):
+    cases = [(n, b) for n in SIZES for b in BATCHES]
+    launch(exactness_worker, (str(tmp_path), cases), world_size, str(tmp_path))
+    collectives = set()
+    for n, b in cases:
+        out = json.loads((tmp_path / f"case_{n}_{b}.json").read_text())
+        logits, labels = synthetic_logits(n, seed=n)
+        assert_metrics_equal(out["metrics"], reference_metrics(logits, labels, NUM_CLASSES, topk=TOPK))
+        assert out["coverage_ok"]
+        assert sum(out["rank_samples"]) == n and len(out["rank_samples"]) == world_size
+        collectives.add(out["collectives"])
+    # same number of collectives for 1 batch or 1000 batches per rank: O(1), not O(batches)
+    assert len(collectives) == 1, collectives
+
+
+def test_padding_case_reports_true_accuracy(tmp_path):
+    launch(padding_worker, (str(tmp_path),), 4, str(tmp_path))
+    out = json.loads((tmp_path / "padding.json").read_text())
+    assert out["top1"] == 0.2 and out["coverage_ok"]
