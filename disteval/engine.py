@@ -87,20 +87,35 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
 
 def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
                 per_rank_row: list[float]) -> tuple[torch.Tensor, list[list[float]]]:
-    """The one synchronisation of a run: coalesced all_reduce of the sum-states (one per dtype), one
-    variable-size gather of the sample-id runs, one fixed-size gather of a small per-rank float64 row.
+    """The one synchronisation of a run, in three collectives whatever the number of batches or states:
 
-    Loads the synced states into ``metric``. Returns ``(all id runs int64 [k, 2], rows of all ranks)``.
+    1. one all_reduce of all int64 sum-states flattened into one buffer, which also carries a [W] vector
+       holding this rank's payload size at its own index (so the sum tells every rank every size);
+    2. one all_reduce of all float64 sum-states;
+    3. one all_gather of the padded int64 payload: this rank's sample-id runs and a small float64 row
+       (bit-cast, no pickle).
+
+    Metrics with gather-states add one variable-size gather per state. ``per_rank_row`` must have the same
+    length on every rank. Loads the synced states into ``metric``.
+    Returns ``(all id runs int64 [k, 2], rows of all ranks in rank order)``.
     """
     states = metric.states()
+    row = torch.tensor(per_rank_row, dtype=torch.float64)
+    payload = torch.cat([row.view(torch.int64), coverage.runs().reshape(-1)])
+    sizes = torch.zeros(comm.world_size, dtype=torch.int64)
+    sizes[comm.rank] = payload.numel()
     sums = {k: v for k, (v, red) in states.items() if red == "sum"}
-    gathered = {k: torch.cat(comm.all_gather_variable(v)) for k, (v, red) in states.items() if red == "gather"}
-    synced = comm.all_reduce_coalesced(sums)
-    synced.update(gathered)
+    if "payload_sizes" in sums:
+        raise ValueError("metric state name 'payload_sizes' is reserved")
+    synced = comm.all_reduce_coalesced({**sums, "payload_sizes": sizes})
+    sizes = synced.pop("payload_sizes").tolist()
+    synced.update({k: torch.cat(comm.all_gather_variable(v)) for k, (v, red) in states.items() if red == "gather"})
     metric.load_synced(synced)
-    runs = torch.cat(comm.all_gather_variable(coverage.runs()))
-    rows = comm.all_gather_variable(torch.tensor([per_rank_row], dtype=torch.float64))
-    return runs, [r[0].tolist() for r in rows]
+    parts = comm.all_gather_sized(payload, sizes)
+    width = row.numel()
+    rows = [p[:width].clone().view(torch.float64).tolist() for p in parts]
+    runs = torch.cat([p[width:].reshape(-1, 2) for p in parts])
+    return runs, rows
 
 
 def build_metric(cfg: Any, num_classes: int) -> ClassificationMetrics:

@@ -5,6 +5,7 @@ runs under the process group's timeout, and is counted (number and bytes sent by
 - ``all_gather_variable``: tensors whose first dimension differs between ranks: exchange metadata
   (rows, dtype, trailing shape) in one all_gather, pad, one all_gather, trim. A dtype or trailing-shape
   mismatch raises the same ValueError on every rank (all see the same metadata) instead of hanging.
+- ``all_gather_sized``: the same without the metadata round when the sizes are already known.
 - ``broadcast_bytes``: bytes from one rank to all (length, then payload), e.g. the run directory.
 """
 from __future__ import annotations
@@ -108,9 +109,15 @@ class Communicator:
                              f"{', '.join(str(int(x)) for x in m[3:3 + int(m[2]) - 1])}]"
                              for r, m in enumerate(metas))
             raise ValueError(f"all_gather_variable: ranks disagree on dtype or trailing shape ({desc})")
-        rows = [int(m[0]) for m in metas]
-        max_rows = max(rows)
-        padded = torch.zeros((max_rows, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
+        return self.all_gather_sized(tensor, [int(m[0]) for m in metas])
+
+    def all_gather_sized(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+        """Gather when every rank already knows the first-dimension size of every rank (``rows``, e.g. summed
+        into an earlier all_reduce): pad to the largest, one all_gather, trim. Dtype and trailing shape must
+        agree across ranks (the caller guarantees it). Returns W CPU tensors in rank order."""
+        if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
+            raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
+        padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
         padded[: tensor.shape[0]] = tensor.to(self.device)
         parts = self._all_gather_fixed(padded, "all_gather")
         return [p[:r].clone() for p, r in zip(parts, rows)]
