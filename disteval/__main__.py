@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> int:
             if env.world_size != cfg.dist.world_size:
                 log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
                             env.world_size, cfg.dist.world_size)
-            run_rank(job, run_dir, env)
+            run_rank(job, run_dir, env, agree_run_dir=True)
         elif cfg.dist.world_size == 1:
             run_rank(job, run_dir, None)
         else:

@@ -8,12 +8,15 @@ wrong type fails at composition with Hydra's error naming the full key (e.g. ``K
 from __future__ import annotations
 
 import importlib.util
+import os
+from datetime import datetime
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 class ModelDtype(str, Enum):
@@ -154,9 +157,20 @@ class DistevalConfig:
     seed: int = 0
 
 
+def run_name() -> str:
+    """Default run folder name: ``HH-MM-SS-ffffff`` of now, or, under an external torchrun (where every rank
+    composes its own config), the launcher's shared ``TORCHELASTIC_RUN_ID`` so that all ranks agree."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id not in ("", "none") and "RANK" in os.environ:
+        return f"torchrun-{run_id}"
+    return datetime.now().strftime("%H-%M-%S-%f")
+
+
 def register_schemas() -> None:
-    """Store the schema in Hydra's ConfigStore under the name ``disteval_schema`` (idempotent)."""
+    """Store the schema in Hydra's ConfigStore under the name ``disteval_schema`` and register the
+    ``disteval_run_name`` resolver used by ``hydra.run.dir`` (idempotent)."""
     ConfigStore.instance().store(name="disteval_schema", node=DistevalConfig)
+    OmegaConf.register_new_resolver("disteval_run_name", run_name, replace=True, use_cache=True)
 
 
 def conf_dir() -> str:

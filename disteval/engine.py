@@ -152,12 +152,13 @@ def _wait_for_peers(run_dir: str, world_size: int, timeout_s: float, progress) -
         time.sleep(0.2)
 
 
-def run_rank(cfg: Any, run_dir: str, env: RankEnv | None) -> dict | None:
+def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
     """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
     the coverage check, results.json and the console report. Returns the results dict on rank 0.
 
-    ``env=None`` runs a single process (world size 1) without a launcher. Every exception is recorded in
-    this rank's status.json (type, message, traceback) before it propagates.
+    ``env=None`` runs a single process (world size 1) without a launcher. ``agree_run_dir``: take rank 0's
+    run directory (broadcast), for external launchers where each rank composed its own. Every exception is
+    recorded in this rank's status.json (type, message, traceback) before it propagates.
     """
     from disteval import report
 
@@ -173,8 +174,13 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None) -> dict | None:
         init_process_group(backend, cfg.communication.timeout_s, env)
         comm = Communicator("cpu" if backend == "gloo" else device,
                             on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}))
-        if env is not None:  # all ranks agree on rank 0's run directory (matters under external torchrun)
-            run_dir = comm.broadcast_bytes(run_dir.encode() if rank == 0 else None).decode()
+        if agree_run_dir and env is not None:
+            agreed = comm.broadcast_bytes(run_dir.encode() if rank == 0 else None).decode()
+            if agreed != run_dir:  # move this rank's records next to rank 0's
+                old, run_dir = status, agreed
+                status = StatusWriter(run_dir, rank, world_size, interval_s=old.interval_s)
+                status.record.update(t_start=old.record["t_start"])
+                _setup_logging(run_dir, rank)
         log.info("rank %d/%d on %s, backend %s, device %s", rank, world_size, status.record["host"], backend,
                  device)
         if device.type == "cpu" and env is not None:  # share the cores among the local ranks

@@ -38,3 +38,15 @@ def cli(tmp_path):
         return run_disteval(*overrides, run_dir=run_dir, **kw), run_dir
 
     return _run
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With DISTEVAL_FAIL_ON_SKIP=1 (set by .ci/run) a skipped test fails the session: CI installs every
+    input the tests need, so a skip there means a missing install step."""
+    if os.environ.get("DISTEVAL_FAIL_ON_SKIP") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if skipped:
+        reporter.write_line(f"DISTEVAL_FAIL_ON_SKIP=1: {len(skipped)} test(s) skipped, failing the run", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -56,7 +56,7 @@ def test_default_job_two_ranks_equals_reference(cli):
     for key in ("timings", "throughput", "comm", "versions", "config_digest", "schema_version"):
         assert key in res
     assert set(res["timings"]) == {"load", "forward", "sync", "total"}
-    assert res["comm"]["collectives"] <= 10
+    assert res["comm"]["collectives"] == 3 and res["comm"]["by_op"] == {"all_reduce": 2, "all_gather": 1}
     for r in range(2):
         status = json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())
         assert status["phase"] == "done" and status["samples_done"] == 270 and status["error"] is None
