@@ -1,7 +1,7 @@
 """``python -m disteval [overrides]``: compose the config with Hydra, validate, preflight, launch the ranks.
 
 Exit codes: 0 success; 1 the evaluation failed (a rank's error, named); 2 bad configuration or input found
-before any rank started. Under an external ``torchrun`` (env:// variables present) this process runs as
+before any rank started; 130 interrupted (SIGINT/SIGTERM), all ranks stopped. Under an external ``torchrun`` (env:// variables present) this process runs as
 that rank instead of spawning ranks.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from disteval.config import conf_dir, register_schemas
-from disteval.errors import ConfigError, DistevalError, RankFailedError
+from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 
 register_schemas()
 _err = Console(stderr=True)
@@ -47,7 +48,7 @@ def run(cfg: DictConfig) -> int:
     try:
         preflight(job)
     except DistevalError as exc:
-        _err.print(f"[bold red]disteval: configuration error[/] {exc}")
+        _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     try:
         if external:
@@ -60,12 +61,17 @@ def run(cfg: DictConfig) -> int:
             run_rank(job, run_dir, None)
         else:
             launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
+    except RunInterrupted as exc:
+        _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 130
     except RankFailedError as exc:
-        _err.print(f"[bold red]disteval: run failed[/] {exc}")
-        _err.print(f"rank records: {run_dir}/ranks/rank*/status.json")
+        _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
+        _err.print(f"traceback and progress: {run_dir}/ranks/{where}/status.json; log: "
+                   f"{run_dir}/ranks/{where}/log.txt", soft_wrap=True, highlight=False)
         return 1
     except DistevalError as exc:
-        _err.print(f"[bold red]disteval: run failed[/] {exc}")
+        _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1
     return 0
 

@@ -32,3 +32,11 @@ class RankFailedError(DistevalError):
     def __init__(self, rank: int | None, message: str):
         self.rank = rank
         super().__init__(message)
+
+
+class RunInterrupted(DistevalError):
+    """The driver received SIGINT/SIGTERM/SIGHUP; every rank was stopped. ``signal_name`` e.g. "SIGINT"."""
+
+    def __init__(self, signal_name: str):
+        self.signal_name = signal_name
+        super().__init__(f"interrupted by {signal_name}: all ranks were stopped, no results were written")

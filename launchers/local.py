@@ -9,7 +9,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
-from disteval.errors import RankFailedError
+from disteval.errors import RankFailedError, RunInterrupted
 from launchers.culprit import find_culprit
 
 
@@ -32,10 +32,11 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     RUN_DIR/ranks/rank{r}/status.json (as ``disteval.engine.run_rank`` does). Returns {rank: return value}.
     Raises RankFailedError naming the culprit rank and its own error when any rank fails.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
@@ -47,6 +48,8 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items()}
         culprit = find_culprit(run_dir, world_size, deaths)
         raise RankFailedError(culprit.rank, culprit.message) from None
+    except SignalException as exc:  # the agent stopped every worker before re-raising
+        raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
 
 
 def launch_local(cfg_container: dict, run_dir: str, world_size: int, master_addr: str = "127.0.0.1",

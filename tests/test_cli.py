@@ -170,8 +170,8 @@ def test_schema_error_from_cli_names_key(cli):
     assert proc.returncode != 0 and "data.batchsize" in proc.stderr
 
 
-@needs_fashion
-def test_killed_rank_stops_all_and_is_named(tmp_path):
+def _start_long_run(tmp_path):
+    """Start a 2-rank Fashion-MNIST run with batch size 1 and wait until rank 1 is evaluating."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "disteval", "+experiment=fashion_mnist", "data.batch_size=1",
            "eval.status_interval_s=0.2", f"hydra.run.dir={run_dir}"]
@@ -188,11 +188,32 @@ def test_killed_rank_stops_all_and_is_named(tmp_path):
             pass
         time.sleep(0.1)
     assert status and status["phase"] == "forward", status
+    return driver, run_dir, status
+
+
+def _assert_no_rank_left(run_dir):
+    pids = [json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())["pid"] for r in range(2)]
+    time.sleep(0.5)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+@needs_fashion
+def test_killed_rank_stops_all_and_is_named(tmp_path):
+    driver, run_dir, status = _start_long_run(tmp_path)
     os.kill(status["pid"], signal.SIGKILL)
     _, err = driver.communicate(timeout=120)
     assert driver.returncode == 1
     assert "rank 1 was killed by SIGKILL" in " ".join(err.split())
-    pids = [json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())["pid"] for r in range(2)]
-    time.sleep(0.5)
-    for pid in pids:  # no process left behind
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not (run_dir / "results.json").exists()
+    _assert_no_rank_left(run_dir)
+
+
+@needs_fashion
+def test_interrupted_driver_stops_all_ranks(tmp_path):
+    driver, run_dir, _ = _start_long_run(tmp_path)
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130
+    assert "interrupted by SIGINT: all ranks were stopped" in " ".join(err.split())
+    _assert_no_rank_left(run_dir)
