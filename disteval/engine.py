@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -68,21 +69,34 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
     if status:
         status.update(phase="forward", samples_planned=len(sampler))
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        for images, targets, ids in loader:
-            images = images.to(device, non_blocking=True)
-            with prec.autocast(precision, device) if precision is not None else contextlib.nullcontext():
-                logits = model(images)
-            metric.update(logits.float(), targets, ids)
-            coverage.update(ids)
-            out.samples += int(ids.numel())
-            out.batches += 1
-            if status:
-                status.update(samples_done=out.samples, batches_done=out.batches)
-            if on_batch:
-                on_batch(out.batches, out.samples)
+    try:
+        with torch.inference_mode():
+            for images, targets, ids in loader:
+                images = images.to(device, non_blocking=True)
+                with prec.autocast(precision, device) if precision is not None else contextlib.nullcontext():
+                    logits = model(images)
+                metric.update(logits.float(), targets, ids)
+                coverage.update(ids)
+                out.samples += int(ids.numel())
+                out.batches += 1
+                if status:
+                    status.update(samples_done=out.samples, batches_done=out.batches)
+                if on_batch:
+                    on_batch(out.batches, out.samples)
+    except DistevalError as exc:
+        raise _unwrap_worker_error(exc) from exc
     out.seconds_forward = time.perf_counter() - t0
     return out
+
+
+def _unwrap_worker_error(exc: DistevalError) -> DistevalError:
+    """A DataLoader worker's error arrives as "Caught DataError in DataLoader worker process 0. Original
+    Traceback ...": keep the type and only the original one-line message (the traceback stays in the log)."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = text.strip().splitlines()[-1]
+    return type(exc)(re.sub(rf"^(?:[\w.]+\.)?{type(exc).__name__}: ", "", last))
 
 
 def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
