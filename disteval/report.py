@@ -166,4 +166,13 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
     table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
     table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
     console.print(table)
-    console.print(f"results: {Path(results['run_dir']) / 'results.json'}")
+    if 1 < len(results["per_rank"]) <= 16:
+        ranks = Table(title="per rank")
+        for col in ("rank", "host", "shard", "samples", "images/s", "local accuracy"):
+            ranks.add_column(col, justify="right")
+        for p in results["per_rank"]:
+            ips = p["images_per_s"]
+            ranks.add_row(str(p["rank"]), str(p["host"]), f"[{p['shard'][0]}, {p['shard'][1]})", str(p["samples"]),
+                          "n/a" if ips is None else f"{ips:,.0f}", _fmt(p["metrics"]["accuracy"]))
+        console.print(ranks)
+    console.print(f"results: {Path(results['run_dir']) / 'results.json'}", soft_wrap=True)
