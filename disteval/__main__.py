@@ -76,16 +76,28 @@ def run(cfg: DictConfig) -> int:
     return 0
 
 
+_composed = False
+
+
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _composed
+    _composed = True
     code = run(cfg)
     if code:
         sys.exit(code)
 
 
 def main() -> None:
-    """Console-script entry point (``disteval``), same as ``python -m disteval``."""
-    _hydra_main()
+    """Console-script entry point (``disteval``), same as ``python -m disteval``. A config that Hydra cannot
+    compose (unknown key, wrong type, unknown group option; Hydra exits 1 after printing the error naming the
+    key) exits 2 like every other configuration error."""
+    try:
+        _hydra_main()
+    except SystemExit as exc:
+        if exc.code == 1 and not _composed:
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

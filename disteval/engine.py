@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -63,8 +65,10 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
     """
     device = torch.device(device)
     sampler = ExactShardSampler(len(dataset), world_size, rank)
+    # ranks are spawned; spawned loader workers would re-import torch (seconds each): fork them instead
+    context = "fork" if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        pin_memory=device.type == "cuda", persistent_workers=False)
+                        pin_memory=device.type == "cuda", persistent_workers=False, multiprocessing_context=context)
     out = ShardOutcome(sampler.start, sampler.end)
     if status:
         status.update(phase="forward", samples_planned=len(sampler))
@@ -199,7 +203,10 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                  device)
         if device.type == "cpu" and env is not None:  # share the cores among the local ranks
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        prec.apply_global_switches(cfg.precision, device)
+        with warnings.catch_warnings():
+            if rank != 0:  # say it once
+                warnings.simplefilter("ignore")
+            prec.apply_global_switches(cfg.precision, device)
         status.update(phase="data")
         t_load = time.perf_counter()
         dataset, data_classes = build_dataset(cfg.data)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from disteval.comm import resolve_backend, resolve_device
-from disteval.data.datasets import check_data_root, dataset_num_classes
+from disteval.data.datasets import check_data_root, dataset_num_classes, input_shape, prepare_data
 from disteval.errors import ConfigError
 from disteval.metrics import METRIC_FAMILIES
 from disteval.models import preflight_model, resolve_num_classes
@@ -22,6 +22,8 @@ def validate_config(cfg: Any) -> None:
                           "(or start ranks yourself with torchrun)")
     if cfg.data.batch_size < 1:
         raise ConfigError("data.batch_size", f"must be >= 1, got {cfg.data.batch_size}")
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        raise ConfigError("data.limit", f"must be >= 1 (or null for the whole dataset), got {cfg.data.limit}")
     if cfg.data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")
     if cfg.communication.timeout_s <= 0:
@@ -54,9 +56,17 @@ def preflight(cfg: Any) -> int:
     Returns the number of classes. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
     check_data_root(cfg.data)
-    num_classes = resolve_num_classes(cfg.model, dataset_num_classes(cfg.data))
+    prepare_data(cfg.data)
+    data_classes = dataset_num_classes(cfg.data)
+    num_classes = resolve_num_classes(cfg.model, data_classes)
+    if num_classes != data_classes:
+        raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",
+                          f"the dataset {cfg.data.name} ({cfg.data.root or 'bundled'}) has {data_classes} classes but "
+                          f"the model {cfg.model.name} has {num_classes} outputs: labels would not line up with the "
+                          "model's classes (an ImageFolder root must hold every class folder, e.g. all 1000 ImageNet "
+                          "wnids)")
     too_big = [k for k in cfg.eval.topk if k > num_classes]
     if too_big:
         raise ConfigError("eval.topk", f"k={too_big} exceed the {num_classes} classes; e.g. eval.topk=[1]")
-    preflight_model(cfg.model, num_classes)
+    preflight_model(cfg.model, num_classes, input_shape(cfg.data))
     return num_classes

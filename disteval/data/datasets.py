@@ -3,7 +3,8 @@
 - ``digits``: scikit-learn's bundled 8x8 digits; split ``test`` is the held-out 30 % (stratified,
   random_state=0), ``train`` the rest. Inputs float32 [1, 8, 8] in [0, 1].
 - ``fashion_mnist``: the idx files (``t10k-*`` for test, ``train-*`` for train, optionally .gz) in
-  ``data.root`` or ``data.root/FashionMNIST/raw``; ``data.download=true`` uses torchvision's downloader.
+  ``data.root`` or ``data.root/FashionMNIST/raw``; ``data.download=true`` lets the driver fetch them once
+  with torchvision's downloader (``prepare_data``).
   Inputs float32 [1, 28, 28] in [0, 1].
 - ``imagefolder``: torchvision ImageFolder at ``data.root`` with the ImageNet eval transform
   (resize short side to ``resize_size``, bilinear, antialias; center crop ``crop_size``; normalise).
@@ -98,18 +99,13 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims)
 
 
-def _fashion_mnist(root: str | None, split: str, download: bool) -> TensorDataset:
+def _fashion_mnist(root: str | None, split: str) -> TensorDataset:
     if split not in ("train", "test"):
         raise ConfigError("data.split", f"fashion_mnist has splits 'train' and 'test', not {split!r}")
     if root is None:
         raise ConfigError("data.root", "fashion_mnist needs data.root (the folder with t10k-images-idx3-ubyte)")
     files = _fashion_files(Path(root), split)
-    if files is None and download:
-        import torchvision
-
-        ds = torchvision.datasets.FashionMNIST(root, train=split == "train", download=True)
-        images, labels = ds.data.numpy(), ds.targets.numpy()
-    elif files is None:
+    if files is None:
         raise ConfigError("data.root", f"no Fashion-MNIST {split} idx files in {root!r} (install Debian's "
                           "dataset-fashion-mnist, or set data.download=true where there is internet)")
     else:
@@ -181,16 +177,33 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
     if data.name == "digits":
         base, num_classes = _digits(data.split), 10
     elif data.name == "fashion_mnist":
-        base, num_classes = _fashion_mnist(data.root, data.split, data.download), 10
+        base, num_classes = _fashion_mnist(data.root, data.split), 10
     else:
         from torchvision.datasets import ImageFolder
 
         tf = imagenet_eval_transform(data.resize_size, data.crop_size, data.mean, data.std)
         base = ImageFolder(data.root, transform=tf)
         num_classes = len(base.classes)
-    if data.limit is not None and data.limit < 0:
-        raise ConfigError("data.limit", f"must be >= 0 or null, got {data.limit}")
     return IndexedDataset(base, data.limit), num_classes
+
+
+def input_shape(data: Any) -> tuple[int, int, int]:
+    """Shape (C, H, W) of one input of the configured dataset (preflight)."""
+    return {"digits": (1, 8, 8), "fashion_mnist": (1, 28, 28)}.get(data.name, (3, data.crop_size, data.crop_size))
+
+
+def prepare_data(data: Any) -> None:
+    """Driver-side, once: with data.download=true and no Fashion-MNIST files in data.root, download them with
+    torchvision (needs internet). Raises ConfigError naming data.root when that fails."""
+    if data.name != "fashion_mnist" or not data.download or _fashion_files(Path(data.root), data.split):
+        return
+    import torchvision
+
+    try:
+        torchvision.datasets.FashionMNIST(data.root, train=data.split == "train", download=True)
+    except Exception as exc:  # noqa: BLE001 - offline machines land here
+        raise ConfigError("data.root", f"data.download=true could not fetch Fashion-MNIST into {data.root!r} "
+                          f"({type(exc).__name__}: {exc}); install Debian's dataset-fashion-mnist instead") from exc
 
 
 def dataset_num_classes(data: Any) -> int:

@@ -119,7 +119,9 @@ class ClassificationMetrics(Metric):
     def compute(self) -> dict:
         """Metric values (floats; None where undefined, e.g. with zero samples):
         ``num_samples``, ``top{k}``, ``accuracy``, ``macro_precision``, ``macro_recall``, ``macro_f1``,
-        ``nll``, ``ece``, ``per_class_accuracy`` (list of C, None for classes without samples),
+        ``nll``, ``ece``, ``classes_with_samples`` (classes whose support is > 0; the macro averages still run
+        over all C classes, as scikit-learn with ``labels=range(C)``), ``per_class_accuracy`` (list of C,
+        None for classes without samples),
         ``per_class_support`` (list of C ints)."""
         s = {k: v.numpy() for k, v in self._states.items()}
         n = int(s["count"])
@@ -141,6 +143,7 @@ class ClassificationMetrics(Metric):
         out["ece"] = float(np.abs(s["ece_correct"] - s["ece_conf_sum"]).sum()) / n if n else nan
         per_class = np.full(self.num_classes, np.nan)
         np.divide(tp, support, out=per_class, where=support != 0)
+        out["classes_with_samples"] = int((support > 0).sum())
         out["per_class_accuracy"] = [None if np.isnan(v) else float(v) for v in per_class]
         out["per_class_support"] = support.tolist()
         return out

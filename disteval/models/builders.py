@@ -85,16 +85,27 @@ def resolve_num_classes(model: Any, dataset_classes: int | None) -> int:
     return dataset_classes
 
 
-def preflight_model(model: Any, num_classes: int) -> None:
-    """Driver-side checks before any rank starts: the architecture builds (on the meta device, no memory),
-    a checkpoint loads with weights_only=True and fits it, torchvision weights are in torch.hub's cache
-    (downloaded here, once, when missing). Raises ConfigError or CheckpointError."""
+def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
+    """Driver-side checks before any rank starts: the architecture builds and, given the data's
+    ``input_shape`` (C, H, W), runs a forward pass to logits [B, num_classes], both on the meta device (no
+    memory, no compute); a checkpoint loads with weights_only=True and fits it; torchvision weights are in
+    torch.hub's cache (downloaded here, once, when missing). Raises ConfigError or CheckpointError."""
     plan, source = weights_plan(model)
     with torch.device("meta"):
         try:
-            net = _architecture(model, num_classes)
+            net = _architecture(model, num_classes).eval()
         except TypeError as exc:
             raise ConfigError("model.kwargs", f"{model.name} does not accept {dict(model.kwargs)}: {exc}") from exc
+        if input_shape is not None:
+            try:
+                out = net(torch.empty((2, *input_shape)))
+            except Exception as exc:  # noqa: BLE001 - any shape error of the architecture
+                raise ConfigError("data.crop_size", f"{model.name} cannot take the data's inputs of shape "
+                                  f"{list(input_shape)} ({type(exc).__name__}: {exc}); check data.crop_size "
+                                  "and model.kwargs") from exc
+            if tuple(out.shape) != (2, num_classes):
+                raise ConfigError("model.num_classes", f"{model.name} returns outputs of shape {list(out.shape[1:])} "
+                                  f"per sample, expected [{num_classes}] logits")
     if plan == "checkpoint":
         check_state_dict(net, load_state_dict_file(source), source)
     elif plan == "torchvision":
