@@ -15,8 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from disteval.config import conf_dir, register_schemas
-from disteval.errors import DistevalError, RankFailedError, RunInterrupted
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from disteval.config import DistevalConfig, conf_dir, register_schemas
+from disteval.errors import ConfigError, DistevalError, RankFailedError, RunInterrupted
+from disteval.records import archive_previous_records
 
 register_schemas()
 _err = Console(stderr=True)
@@ -24,8 +27,16 @@ log = logging.getLogger("disteval")
 
 
 def job_container(cfg: DictConfig) -> dict:
-    """The resolved job config as a plain dict (enums as strings) plus ``experiment_name``."""
+    """The resolved job config as a plain dict (enums as strings) plus ``experiment_name``.
+
+    Re-validated against the schema: Hydra lets ``+data.limt=5`` append a key that the schema lacks, which
+    would otherwise be ignored silently. Raises ConfigError naming the key."""
     container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    try:
+        OmegaConf.merge(OmegaConf.structured(DistevalConfig), container)
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(getattr(exc, "full_key", None) or "config",
+                          f"{str(exc).splitlines()[0]} (not in disteval's schema; see --cfg job)") from None
     try:
         choice = HydraConfig.get().runtime.choices.get("experiment")
     except ValueError:
@@ -42,21 +53,26 @@ def run(cfg: DictConfig) -> int:
     from launchers.local import launch_local
 
     run_dir = HydraConfig.get().runtime.output_dir
-    container = job_container(cfg)
-    job = OmegaConf.create(container)
     external = external_launch_detected()
     try:
+        container = job_container(cfg)
+        job = OmegaConf.create(container)
         preflight(job)
+        if not external:
+            archive_previous_records(run_dir)
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     try:
         if external:
             env = RankEnv.from_env()
-            if env.world_size != cfg.dist.world_size:
+            if env.world_size != cfg.dist.world_size and env.rank == 0:
                 log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
                             env.world_size, cfg.dist.world_size)
-            run_rank(job, run_dir, env, agree_run_dir=True)
+            try:
+                run_rank(job, run_dir, env, agree_run_dir=True)
+            except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
+                raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
         elif cfg.dist.world_size == 1:
             run_rank(job, run_dir, None)
         else:

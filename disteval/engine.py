@@ -33,11 +33,17 @@ from disteval.metrics.base import Metric
 from disteval.models import build_model, resolve_num_classes
 from disteval.records import StatusWriter, rank_dir, read_status
 
-log = logging.getLogger("disteval")
+log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
+log.propagate = False
 
 
 class PeerFailedError(DistevalError):
-    """Rank 0 saw another rank's status turn ``failed`` while waiting for it (a victim's error)."""
+    """Rank 0, waiting for its peers before the synchronisation, saw a peer fail or stall. A victim's error:
+    ``blames`` is the peer's rank (the culprit)."""
+
+    def __init__(self, blames: int, message: str):
+        self.blames = blames
+        super().__init__(message)
 
 
 @dataclass
@@ -149,24 +155,37 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    for old in list(log.handlers):
+        log.removeHandler(old)
+        old.close()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
-def _wait_for_peers(run_dir: str, world_size: int, timeout_s: float, progress) -> None:
-    """Rank 0, after its own shard: refresh the progress display from the peers' status records until
-    every rank reached ``sync`` (bounded by ``timeout_s``). Raises PeerFailedError when a peer failed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _wait_for_peers(run_dir: str, world_size: int, timeout_s: float, progress, started: float) -> None:
+    """Rank 0, after its own shard: refresh the progress display from the peers' status records until every
+    rank reached ``sync``. Raises PeerFailedError when a peer's record says ``failed`` (quoting its error)
+    or has not been updated for ``timeout_s`` seconds (the peer stalled: stopped, hung on I/O, deadlocked),
+    so that a stalled rank is named and the run ends after one timeout, not two."""
+    while True:
         records = [read_status(run_dir, r) for r in range(world_size)]
-        failed = [r for r, s in enumerate(records) if s and s.get("phase") == "failed"]
-        if failed:
-            raise PeerFailedError(f"rank {failed[0]} failed before the synchronisation")
+        now = time.time()
+        for r, s in enumerate(records):
+            if s and s.get("phase") == "failed":
+                err = s.get("error") or {}
+                raise PeerFailedError(r, f"rank {r} failed before the synchronisation: {err.get('type')}: "
+                                         f"{err.get('message')}")
+            if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > timeout_s:
+                raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {timeout_s:g} s "
+                                         f"(communication.timeout_s) in phase {s.get('phase')!r} after "
+                                         f"{s.get('samples_done')}/{s.get('samples_planned')} samples")
         if progress:
             progress.refresh_from(records)
         if all(s and s.get("phase") in ("sync", "done") for s in records):
             return
+        missing = [r for r, s in enumerate(records) if s is None]
+        if missing and now - started > timeout_s:
+            raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")
         time.sleep(0.2)
 
 
@@ -182,8 +201,11 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
 
     rank = env.rank if env else 0
     world_size = env.world_size if env else 1
-    status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))
-    _setup_logging(run_dir, rank)
+    try:
+        status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))
+        _setup_logging(run_dir, rank)
+    except OSError as exc:
+        raise DistevalError(f"rank {rank} cannot write its records under {run_dir}/ranks: {exc}") from exc
     comm = None
     try:
         t_total = time.perf_counter()
@@ -225,7 +247,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                 on_batch=(lambda b, s: progress.maybe_refresh()) if rank == 0 else None)
             status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
             if rank == 0 and world_size > 1:
-                _wait_for_peers(run_dir, world_size, float(cfg.communication.timeout_s), progress)
+                _wait_for_peers(run_dir, world_size, float(cfg.communication.timeout_s), progress,
+                                started=status.record["t_start"])
             local = metric.local_summary()
             t_sync = time.perf_counter()
             row = [float(rank), float(outcome.start), float(outcome.end), float(outcome.samples),

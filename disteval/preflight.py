@@ -1,11 +1,14 @@
 """Checks on the driver before any rank starts: everything knowable up front fails here, naming the key."""
 from __future__ import annotations
 
+import errno
+import math
+import socket
 from typing import Any
 
 import torch
 
-from disteval.comm import resolve_backend, resolve_device
+from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.data.datasets import check_data_root, dataset_num_classes, input_shape, prepare_data
 from disteval.errors import ConfigError
 from disteval.metrics import METRIC_FAMILIES
@@ -26,13 +29,16 @@ def validate_config(cfg: Any) -> None:
         raise ConfigError("data.limit", f"must be >= 1 (or null for the whole dataset), got {cfg.data.limit}")
     if cfg.data.num_workers < 0:
         raise ConfigError("data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")
-    if cfg.communication.timeout_s <= 0:
-        raise ConfigError("communication.timeout_s", f"must be > 0 seconds, got {cfg.communication.timeout_s}")
+    if not math.isfinite(cfg.communication.timeout_s) or cfg.communication.timeout_s <= 0:
+        raise ConfigError("communication.timeout_s", f"must be a finite number of seconds > 0, got "
+                          f"{cfg.communication.timeout_s}")
     comp = str(getattr(cfg.communication.compression, "value", cfg.communication.compression))
     if comp != "none":
         raise ConfigError("communication.compression", f"{comp!r} is not implemented yet; use none")
     if cfg.eval.trials != 1:
         raise ConfigError("eval.trials", "only eval.trials=1 is implemented in this version")
+    if not cfg.eval.metrics:
+        raise ConfigError("eval.metrics", f"needs at least one metric family of {list(METRIC_FAMILIES)}")
     unknown = [m for m in cfg.eval.metrics if m not in METRIC_FAMILIES]
     if unknown:
         raise ConfigError("eval.metrics", f"unknown metric families {unknown}; available: {list(METRIC_FAMILIES)}")
@@ -49,12 +55,41 @@ def validate_config(cfg: Any) -> None:
         resolve_backend(cfg.communication.backend, device)
     except ValueError as exc:
         raise ConfigError("communication.backend", str(exc)) from None
+    if cfg.data.name == "imagefolder":
+        if cfg.data.resize_size < 1 or cfg.data.crop_size < 1:
+            raise ConfigError("data.crop_size" if cfg.data.crop_size < 1 else "data.resize_size",
+                              f"must be >= 1 pixel, got {cfg.data.resize_size} / {cfg.data.crop_size}")
+        if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or any(v <= 0 for v in cfg.data.std):
+            raise ConfigError("data.mean", f"data.mean and data.std need 3 values (RGB), std > 0; got "
+                              f"{list(cfg.data.mean)} / {list(cfg.data.std)}")
+
+
+def check_rendezvous_address(addr: str, port: int) -> None:
+    """The local launcher hosts the rendezvous store at ``addr:port``: the address must be one of this
+    machine's and an explicit port must be free (a port held by another program made the rendezvous hang).
+    Raises ConfigError naming dist.master_addr or dist.master_port."""
+    try:
+        infos = socket.getaddrinfo(addr, port or None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError("dist.master_addr", f"cannot resolve {addr!r}: {exc}") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(sockaddr[:2] if family == socket.AF_INET else sockaddr)
+        except OSError as exc:
+            key = "dist.master_port" if exc.errno == errno.EADDRINUSE else "dist.master_addr"
+            what = f"port {port} on {addr} is already in use" if key == "dist.master_port" else \
+                f"{addr!r} is not an address of this machine ({exc.strerror})"
+            raise ConfigError(key, f"{what}; the local launcher hosts the rendezvous there "
+                              "(dist.master_port=0 picks a free port)") from None
 
 
 def preflight(cfg: Any) -> int:
     """All driver-side checks: config values, dataset root, model/checkpoint/weights, top-k vs classes.
     Returns the number of classes. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
+    if cfg.dist.world_size > 1 and not external_launch_detected():
+        check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     check_data_root(cfg.data)
     prepare_data(cfg.data)
     data_classes = dataset_num_classes(cfg.data)

@@ -36,12 +36,18 @@ _NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "Pee
                   "SignalException"}
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename), with the
+    permissions of an ordinary new file (0666 less the umask; mkstemp alone would give 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -137,6 +143,8 @@ class StatusWriter:
             "traceback": "".join(traceback.format_exception(exc)),
             "time": time.time(),
         }
+        if getattr(exc, "blames", None) is not None:  # a victim that knows the culprit (e.g. a stalled peer)
+            self.record["error"]["blames"] = int(exc.blames)
         self.update(force=True, phase="failed")
 
     def _write(self) -> None:
@@ -154,3 +162,18 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def archive_previous_records(run_dir: str | os.PathLike) -> Path | None:
+    """Before a run reuses ``run_dir`` (an explicit hydra.run.dir), move an earlier run's results.json and
+    ranks/ into ``run_dir/previous/<time>/`` so that nothing is lost and no stale record (another world
+    size's rank folders, an old results.json) is mistaken for this run's. Returns the archive folder."""
+    run_dir = Path(run_dir)
+    old = [p for p in (run_dir / "results.json", run_dir / "ranks") if p.exists()]
+    if not old:
+        return None
+    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
+    dest.mkdir(parents=True)
+    for p in old:
+        os.replace(p, dest / p.name)
+    return dest

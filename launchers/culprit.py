@@ -1,7 +1,9 @@
 """Naming the rank that caused a failed run, from every rank's status.json (not a peer's network error).
 
-Rule (DESIGN.md): the culprit is the rank with the earliest non-network error; else a rank that died
-(killed by a signal, non-zero exit) without recording any error; else the earliest network error.
+Rule (DESIGN.md): the culprit is the rank with the earliest non-network error; else the rank a victim
+blamed (rank 0 names a peer whose status stopped updating); else a rank that died (killed by a signal,
+non-zero exit) without recording any error; else a rank that never reached the synchronisation while its
+peers timed out waiting in it (stalled); else the earliest network error.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
         _, r, s = own[0]
         err = s["error"]
         return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
+    blamed = sorted((e[0], e[2]["error"]["blames"], e[2]) for e in errors if e[2]["error"].get("blames") is not None)
+    if blamed:
+        _, r, s = blamed[0]
+        return Culprit(r, s["error"]["message"], s["error"].get("traceback", ""))
     silent = [r for r in sorted(deaths) if not (records.get(r) or {}).get("error")]
     if silent:
         r = silent[0]
@@ -40,6 +46,13 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
     never = [r for r, s in records.items() if s is None]
     if never:
         return Culprit(never[0], f"rank {never[0]} never started (no status record)")
+    stalled = [r for r, s in records.items() if s and not s.get("error") and s.get("phase") in ("init", "data", "forward")]
+    if errors and stalled:
+        r = stalled[0]
+        s = records[r]
+        return Culprit(r, f"rank {r} stopped making progress in phase {s.get('phase')!r} after "
+                          f"{s.get('samples_done')}/{s.get('samples_planned')} samples; its peers timed out "
+                          f"waiting for it ({errors[0][2]['error']['message'][:200]})")
     if errors:
         _, r, s = sorted(errors)[0]
         err = s["error"]

@@ -21,6 +21,9 @@ def _death(failure) -> str:
         name = None
     if code is not None and code < 0 and name and name != "<N/A>":
         return f"was killed by {name}"
+    message = str(getattr(failure, "message", "") or "")
+    if message and not message.startswith(("<", "To enable traceback")):
+        return f"exited with code {code} ({message.strip().splitlines()[-1][:300]})"
     return f"exited with code {code}"
 
 
@@ -41,7 +44,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn")
+        monitor_interval=0.1, start_method="spawn", shutdown_timeout=10)
     try:
         return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:

@@ -172,11 +172,11 @@ def test_schema_error_from_cli_names_key(cli):
     assert proc.returncode == 2 and "data.batchsize" in proc.stderr
 
 
-def _start_long_run(tmp_path):
+def _start_long_run(tmp_path, *overrides):
     """Start a 2-rank Fashion-MNIST run with batch size 1 and wait until rank 1 is evaluating."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "disteval", "+experiment=fashion_mnist", "data.batch_size=1",
-           "eval.status_interval_s=0.2", f"hydra.run.dir={run_dir}"]
+           "eval.status_interval_s=0.2", f"hydra.run.dir={run_dir}", *overrides]
     driver = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status_file = run_dir / "ranks" / "rank1" / "status.json"
     deadline = time.time() + 120
@@ -219,3 +219,43 @@ def test_interrupted_driver_stops_all_ranks(tmp_path):
     assert driver.returncode == 130
     assert "interrupted by SIGINT: all ranks were stopped" in " ".join(err.split())
     _assert_no_rank_left(run_dir)
+
+
+@needs_fashion
+def test_stalled_rank_is_named_within_one_timeout(tmp_path):
+    """SIGSTOP rank 1: rank 0 finishes its shard, sees rank 1's record frozen for timeout_s, names it."""
+    driver, run_dir, status = _start_long_run(tmp_path, "communication.timeout_s=5", "data.limit=3000")
+    os.kill(status["pid"], signal.SIGSTOP)
+    try:
+        _, err = driver.communicate(timeout=120)
+    finally:
+        if os.path.exists(f"/proc/{status['pid']}"):
+            os.kill(status["pid"], signal.SIGKILL)
+    text = " ".join(err.split())
+    assert driver.returncode == 1
+    assert "rank 1 stalled: its status has not changed for 5 s (communication.timeout_s) in phase 'forward'" in text
+    _assert_no_rank_left(run_dir)
+
+
+def test_master_port_in_use_fails_before_ranks(cli):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc, run_dir = cli(f"dist.master_port={port}", timeout=120)
+    assert proc.returncode == 2
+    assert f"dist.master_port: port {port} on 127.0.0.1 is already in use" in " ".join(proc.stderr.split())
+    assert not (run_dir / "ranks").exists()
+
+
+def test_reused_run_dir_keeps_previous_records(cli, tmp_path):
+    proc, run_dir = cli("dist.world_size=3", "data.limit=30")
+    assert proc.returncode == 0
+    proc = run_disteval("data.limit=20", "dist.world_size=1", run_dir=run_dir)
+    assert proc.returncode == 0
+    assert load_results(run_dir)["dataset"]["num_samples"] == 20
+    assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank0"]  # no stale rank1/rank2
+    archived = list((run_dir / "previous").glob("*/*/results.json"))
+    assert len(archived) == 1 and json.loads(archived[0].read_text())["dataset"]["num_samples"] == 30

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import gzip
+import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +89,16 @@ def read_idx(path: Path) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, truncated or corrupt gzip
+        raise DataError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DataError(f"{path} is not a uint8 IDX file (bad magic {raw[:4].hex()})")
     ndim = raw[3]
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     offset = 4 + 4 * ndim
-    if len(raw) - offset != int(np.prod(dims)):
+    if len(raw) < offset:
+        raise DataError(f"{path}: truncated header ({len(raw)} bytes for {ndim} dimensions)")
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if len(raw) - offset != math.prod(dims):
         raise DataError(f"{path}: header says {dims} but holds {len(raw) - offset} bytes of data")
     return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims)
 
@@ -135,15 +139,20 @@ def imagefolder_classes(root: str) -> list[str]:
     root is missing, unreadable, or holds no class folder with images."""
     path = Path(root)
     if not path.is_dir():
-        raise ConfigError("data.root", f"{root!r} does not exist or is not a directory")
+        raise ConfigError("data.root", f"{root!r} {'is not a directory' if path.exists() else 'does not exist'}")
     try:
         classes = sorted(e.name for e in path.iterdir() if e.is_dir())
     except OSError as exc:
         raise ConfigError("data.root", f"cannot read {root!r}: {exc}") from exc
     if not classes:
         raise ConfigError("data.root", f"{root!r} holds no class sub-folders (expected root/<class>/<image>)")
-    if not any(f.suffix.lower() in _IMG_EXTENSIONS for c in classes for f in (path / c).iterdir()):
-        raise ConfigError("data.root", f"{root!r} has class folders but no images in them")
+    for c in classes:
+        try:
+            has_image = any(f.suffix.lower() in _IMG_EXTENSIONS for f in (path / c).iterdir())
+        except OSError as exc:
+            raise ConfigError("data.root", f"cannot read class folder {path / c}: {exc}") from exc
+        if not has_image:
+            raise ConfigError("data.root", f"class folder {path / c} holds no images ({', '.join(_IMG_EXTENSIONS)})")
     return classes
 
 
@@ -151,6 +160,9 @@ def check_data_root(data: Any) -> None:
     """Preflight: fail before any rank starts when ``data.root`` is missing or empty. Raises ConfigError."""
     if data.name not in DATASETS:
         raise ConfigError("data.name", f"unknown dataset {data.name!r}; available: {', '.join(DATASETS)}")
+    splits = {"digits": ("train", "test"), "fashion_mnist": ("train", "test")}.get(data.name)
+    if splits and data.split not in splits:
+        raise ConfigError("data.split", f"{data.name} has splits {list(splits)}, not {data.split!r}")
     if data.name == "digits":
         return
     if data.root is None:
@@ -160,7 +172,8 @@ def check_data_root(data: Any) -> None:
         if data.download:
             return
         if not root.is_dir():
-            raise ConfigError("data.root", f"{data.root!r} does not exist (Fashion-MNIST: install Debian's "
+            what = "is not a directory" if root.exists() else "does not exist"
+            raise ConfigError("data.root", f"{data.root!r} {what} (Fashion-MNIST: install Debian's "
                               "dataset-fashion-mnist or set data.download=true)")
         if _fashion_files(root, data.split) is None:
             raise ConfigError("data.root", f"{data.root!r} has no Fashion-MNIST {data.split} idx files "

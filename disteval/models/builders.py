@@ -91,11 +91,16 @@ def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] |
     memory, no compute); a checkpoint loads with weights_only=True and fits it; torchvision weights are in
     torch.hub's cache (downloaded here, once, when missing). Raises ConfigError or CheckpointError."""
     plan, source = weights_plan(model)
-    with torch.device("meta"):
-        try:
+    device = torch.device("meta")
+    try:
+        with device:
             net = _architecture(model, num_classes).eval()
-        except TypeError as exc:
-            raise ConfigError("model.kwargs", f"{model.name} does not accept {dict(model.kwargs)}: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError("model.kwargs", f"{model.name} does not accept {dict(model.kwargs)}: {exc}") from exc
+    except NotImplementedError:  # builders that initialise weights by copying data (regnet) need real memory
+        device = torch.device("cpu")
+        net = _architecture(model, num_classes).eval()
+    with device, torch.no_grad():
         if input_shape is not None:
             try:
                 out = net(torch.empty((2, *input_shape)))

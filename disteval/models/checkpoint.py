@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -19,12 +20,15 @@ def load_state_dict_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path!r} (model.checkpoint) does not exist")
+        what = "is not a file" if os.path.exists(path) else "does not exist"
+        raise CheckpointError(f"checkpoint {path!r} (model.checkpoint) {what}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a plain state dict"
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().split("\n")[0][:300] or "empty or truncated file"
         raise CheckpointError(f"checkpoint {path!r} is not a plain state dict loadable with "
-                              f"torch.load(weights_only=True): {type(exc).__name__}: {str(exc)[:300]}") from exc
+                              f"torch.load(weights_only=True) (a pickled module, a truncated or non-torch "
+                              f"file?): {type(exc).__name__}: {detail}") from exc
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"checkpoint {path!r} holds a {type(obj).__name__}, not a state dict "
                               "(save model.state_dict())")
