@@ -28,7 +28,8 @@ from disteval.comm import (Communicator, RankEnv, destroy_process_group, init_pr
                            resolve_device)
 from disteval.data import ExactShardSampler, build_dataset
 from disteval.errors import DistevalError
-from disteval.metrics import ClassificationMetrics, SampleIdCoverage, check_coverage, raise_if_incomplete
+from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
+                              check_coverage, raise_if_incomplete)
 from disteval.metrics.base import Metric
 from disteval.models import build_model, resolve_num_classes
 from disteval.records import StatusWriter, rank_dir, read_status
@@ -142,12 +143,16 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     return runs, rows
 
 
-def build_metric(cfg: Any, num_classes: int) -> ClassificationMetrics:
-    """The metric families of ``eval.metrics`` (this version: classification)."""
-    unknown = [m for m in cfg.eval.metrics if m != "classification"]
+def build_metric(cfg: Any, num_classes: int) -> MetricCollection:
+    """The metric families of ``eval.metrics`` (classification: sum-states; ranking: AUROC/AP from gathered
+    scores) as one collection, synchronised together."""
+    families = {"classification": lambda: ClassificationMetrics(num_classes, topk=list(cfg.eval.topk),
+                                                                ece_bins=cfg.eval.ece_bins),
+                "ranking": lambda: RankingMetrics(num_classes)}
+    unknown = [m for m in cfg.eval.metrics if m not in families]
     if unknown:
-        raise DistevalError(f"eval.metrics: unknown metric families {unknown}; available: ['classification']")
-    return ClassificationMetrics(num_classes, topk=list(cfg.eval.topk), ece_bins=cfg.eval.ece_bins)
+        raise DistevalError(f"eval.metrics: unknown metric families {unknown}; available: {sorted(families)}")
+    return MetricCollection({name: families[name]() for name in cfg.eval.metrics})
 
 
 def _setup_logging(run_dir: str, rank: int) -> None:

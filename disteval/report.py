@@ -153,7 +153,8 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
                         f"({results['dataset']['num_samples']} samples, world size {results['world_size']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    labels = {"accuracy": None, "macro_precision": "macro precision", "macro_recall": "macro recall",
+    labels = {"accuracy": None, "auroc_macro": "AUROC (macro, one-vs-rest)", "ap_macro": "AP (macro, one-vs-rest)",
+              "macro_precision": "macro precision", "macro_recall": "macro recall",
               "macro_f1": "macro F1", "nll": "NLL (mean cross-entropy)", "ece": f"ECE ({m.get('ece_bins')} bins)"}
     for key, value in m.items():
         if key.startswith("top") and key[3:].isdigit():

@@ -13,7 +13,8 @@ from torch.utils.data import TensorDataset
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.data import IndexedDataset
 from disteval.engine import evaluate_shard, synchronise
-from disteval.metrics import ClassificationMetrics, SampleIdCoverage, check_coverage
+from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
+                              check_coverage)
 from disteval.records import StatusWriter
 
 NUM_CLASSES = 7
@@ -42,7 +43,8 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
         for n, batch_size in cases:
             logits, labels = synthetic_logits(n, seed=n)
             dataset = IndexedDataset(TensorDataset(torch.from_numpy(logits), torch.from_numpy(labels)))
-            metric = ClassificationMetrics(NUM_CLASSES, topk=TOPK)
+            metric = MetricCollection({"classification": ClassificationMetrics(NUM_CLASSES, topk=TOPK),
+                                       "ranking": RankingMetrics(NUM_CLASSES)})
             coverage = SampleIdCoverage()
             outcome = evaluate_shard(model, dataset, metric, coverage, rank=env.rank, world_size=env.world_size,
                                      batch_size=batch_size)

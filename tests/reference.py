@@ -55,3 +55,19 @@ def assert_metrics_equal(got: dict, want: dict, rel: float = 1e-12) -> None:
                     assert abs(a - b) <= rel * abs(b) + 1e-15, (key, a, b)
         else:
             assert abs(g - value) <= rel * abs(value) + 1e-15, (key, g, value)
+
+
+def reference_ranking(logits: np.ndarray, labels: np.ndarray, num_classes: int) -> dict:
+    """Macro one-vs-rest AUROC / AP with scikit-learn per class over softmax probabilities, averaged over
+    the classes where each is defined (AUROC: positives and negatives; AP: positives)."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    probs = softmax64(logits)
+    aucs, aps = [], []
+    for c in range(num_classes):
+        y = labels == c
+        if 0 < y.sum() < len(y):
+            aucs.append(roc_auc_score(y, probs[:, c]))
+        if y.sum() > 0:
+            aps.append(average_precision_score(y, probs[:, c]))
+    return {"auroc_macro": float(np.mean(aucs)) if aucs else None, "ap_macro": float(np.mean(aps)) if aps else None}

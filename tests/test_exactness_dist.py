@@ -1,13 +1,13 @@
 """Exactness with real processes (gloo): for N in {1, 2, 7, 97, 1000}, W in {1, 2, 3, 4} and batch size in
-{1, 7, 64}, every metric equals a single-process numpy/scikit-learn reference; the collectives issued do
-not depend on the number of batches. One group of W ranks runs all 15 cases of its W."""
+{1, 7, 64}, every metric (classification sums and AUROC/AP from gathered scores, ties included) equals a
+single-process numpy/scikit-learn reference; the collectives issued do not depend on the number of batches. One group of W ranks runs all 15 cases of its W."""
 import json
 
 import pytest
 
 from dist_workers import NUM_CLASSES, TOPK, exactness_worker, padding_worker, synthetic_logits
 from launchers.local import launch
-from reference import assert_metrics_equal, reference_metrics
+from reference import assert_metrics_equal, reference_metrics, reference_ranking
 
 SIZES = [1, 2, 7, 97, 1000]
 BATCHES = [1, 7, 64]
@@ -22,6 +22,10 @@ def test_metrics_equal_single_process_reference(world_size, tmp_path):
         out = json.loads((tmp_path / f"case_{n}_{b}.json").read_text())
         logits, labels = synthetic_logits(n, seed=n)
         assert_metrics_equal(out["metrics"], reference_metrics(logits, labels, NUM_CLASSES, topk=TOPK))
+        for key, want in reference_ranking(logits, labels, NUM_CLASSES).items():  # gathered scores
+            assert (out["metrics"][key] is None) == (want is None), key
+            if want is not None:
+                assert abs(out["metrics"][key] - want) <= 1e-12 * abs(want), (key, out["metrics"][key], want)
         assert out["coverage_ok"]
         assert sum(out["rank_samples"]) == n and len(out["rank_samples"]) == world_size
         collectives.add(out["collectives"])

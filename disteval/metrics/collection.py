@@ -1,0 +1,51 @@
+"""Several metric families behind one Metric: states are namespaced ``family.state``, so the engine
+synchronises all of them in the same few collectives."""
+from __future__ import annotations
+
+import torch
+
+from disteval.metrics.base import Metric
+
+
+class MetricCollection(Metric):
+    """``MetricCollection({"classification": ClassificationMetrics(...), "ranking": RankingMetrics(...)})``.
+
+    ``compute()`` merges the families' result dicts (their keys must not collide)."""
+
+    def __init__(self, metrics: dict[str, Metric]):
+        super().__init__()
+        self.metrics = dict(metrics)
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        for m in self.metrics.values():
+            m.update(outputs, targets, sample_ids)
+
+    def states(self):
+        return {f"{family}.{name}": value for family, m in self.metrics.items() for name, value in m.states().items()}
+
+    def load_synced(self, states: dict[str, torch.Tensor]) -> None:
+        for family, m in self.metrics.items():
+            prefix = f"{family}."
+            m.load_synced({k[len(prefix):]: v for k, v in states.items() if k.startswith(prefix)})
+
+    def merge_state(self, others) -> None:
+        others = list(others)
+        for family, m in self.metrics.items():
+            m.merge_state([o.metrics[family] for o in others])
+
+    def compute(self) -> dict:
+        out: dict = {}
+        for m in self.metrics.values():
+            result = m.compute()
+            clash = set(result) & set(out)
+            if clash:
+                raise ValueError(f"metric families report the same keys {sorted(clash)}")
+            out.update(result)
+        return out
+
+    def local_summary(self) -> dict:
+        """The classification family's local summary (samples, accuracy, NLL), else samples only."""
+        for m in self.metrics.values():
+            if hasattr(m, "local_summary"):
+                return m.local_summary()
+        return {"samples": None, "accuracy": None, "nll": None}
