@@ -109,10 +109,12 @@ class PrecisionConfig:
 @dataclass
 class CommunicationConfig:
     """``communication.*``: collectives. timeout_s (seconds) is the process group's timeout; every
-    collective of the project runs under it."""
+    collective of the project runs under it. sync_timeout_s (seconds, null = timeout_s) replaces it for the
+    final synchronisation, where ranks wait for the slowest one (``torch.distributed.set_timeout``)."""
 
     backend: Backend = Backend.auto
     timeout_s: float = 300.0
+    sync_timeout_s: Optional[float] = None
     compression: Compression = Compression.none
     async_threshold_bytes: int = 64 * 1024 * 1024
     profile: str = "none"

@@ -219,10 +219,15 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         init_process_group(backend, cfg.communication.timeout_s, env)
         comm = Communicator("cpu" if backend == "gloo" else device,
                             on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}))
-        if agree_run_dir and env is not None:
-            agreed = comm.broadcast_bytes(run_dir.encode() if rank == 0 else None).decode()
-            if agreed != run_dir:  # move this rank's records next to rank 0's
-                old, run_dir = status, agreed
+        if agree_run_dir and env is not None:  # each rank composed its own config: rank 0's metadata wins
+            meta = comm.broadcast_json({"run_dir": run_dir, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                                        "seed": int(cfg.seed), "t_start": status.record["t_start"]}
+                                       if rank == 0 else None)
+            if meta["seed"] != int(cfg.seed):
+                raise DistevalError(f"rank {rank} has seed={cfg.seed} but rank 0 has {meta['seed']}: the ranks "
+                                    "were started with different overrides")
+            if meta["run_dir"] != run_dir:  # move this rank's records next to rank 0's
+                old, run_dir = status, meta["run_dir"]
                 status = StatusWriter(run_dir, rank, world_size, interval_s=old.interval_s)
                 status.record.update(t_start=old.record["t_start"])
                 _setup_logging(run_dir, rank)
@@ -255,6 +260,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                 _wait_for_peers(run_dir, world_size, float(cfg.communication.timeout_s), progress,
                                 started=status.record["t_start"])
             local = metric.local_summary()
+            if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
+                comm.set_timeout(float(cfg.communication.sync_timeout_s))
             t_sync = time.perf_counter()
             row = [float(rank), float(outcome.start), float(outcome.end), float(outcome.samples),
                    float(outcome.batches), seconds_load, outcome.seconds_forward,

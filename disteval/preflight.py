@@ -37,6 +37,9 @@ def validate_config(cfg: Any) -> None:
         raise ConfigError("communication.compression", f"{comp!r} is not implemented yet; use none")
     if cfg.eval.trials != 1:
         raise ConfigError("eval.trials", "only eval.trials=1 is implemented in this version")
+    sync_t = cfg.communication.sync_timeout_s
+    if sync_t is not None and (not math.isfinite(sync_t) or sync_t <= 0):
+        raise ConfigError("communication.sync_timeout_s", f"must be a finite number of seconds > 0 or null, got {sync_t}")
     if not cfg.eval.metrics:
         raise ConfigError("eval.metrics", f"needs at least one metric family of {list(METRIC_FAMILIES)}")
     unknown = [m for m in cfg.eval.metrics if m not in METRIC_FAMILIES]

@@ -6,11 +6,16 @@ runs under the process group's timeout, and is counted (number and bytes sent by
   (rows, dtype, trailing shape) in one all_gather, pad, one all_gather, trim. A dtype or trailing-shape
   mismatch raises the same ValueError on every rank (all see the same metadata) instead of hanging.
 - ``all_gather_sized``: the same without the metadata round when the sizes are already known.
-- ``broadcast_bytes``: bytes from one rank to all (length, then payload), e.g. the run directory.
+- ``gather_variable(dst=r)``: the same to one rank only (``gather``).
+- ``broadcast_bytes`` / ``broadcast_json``: bytes or a JSON dict from one rank to all (length, then
+  payload), e.g. the run directory and run metadata.
+- ``set_timeout``: a different timeout for later collectives (the final synchronisation).
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -84,11 +89,17 @@ class Communicator:
         return out
 
     def all_gather_variable(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Gather ``tensor`` (shape [rows_r, *trailing], rows may differ and be 0) from every rank.
+        """Gather ``tensor`` (shape [rows_r, *trailing], rows may differ and be 0) from every rank to every rank.
 
         Returns the list of W CPU tensors in rank order. Raises ValueError on every rank when ranks disagree
         on dtype, trailing shape, or use an unsupported dtype/rank count of dimensions.
         """
+        return self.gather_variable(tensor, dst=None)
+
+    def gather_variable(self, tensor: torch.Tensor, dst: int | None = None) -> list[torch.Tensor] | None:
+        """Like ``all_gather_variable``, but with ``dst`` set only that rank receives the W tensors (one
+        ``gather`` instead of an ``all_gather``: W times less memory elsewhere); other ranks get None.
+        The metadata round still reaches every rank, so a mismatch raises the same error everywhere."""
         if tensor.dtype not in _CODE or tensor.ndim < 1 or tensor.ndim > _MAX_DIMS:
             code, ndim = -1, tensor.ndim
         else:
@@ -109,7 +120,15 @@ class Communicator:
                              f"{', '.join(str(int(x)) for x in m[3:3 + int(m[2]) - 1])}]"
                              for r, m in enumerate(metas))
             raise ValueError(f"all_gather_variable: ranks disagree on dtype or trailing shape ({desc})")
-        return self.all_gather_sized(tensor, [int(m[0]) for m in metas])
+        rows = [int(m[0]) for m in metas]
+        if dst is None:
+            return self.all_gather_sized(tensor, rows)
+        padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
+        padded[: tensor.shape[0]] = tensor.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == dst else None
+        self._count("gather", padded)
+        dist.gather(padded, gather_list=parts, dst=dst)
+        return [p[:r].cpu().clone() for p, r in zip(parts, rows)] if parts is not None else None
 
     def all_gather_sized(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Gather when every rank already knows the first-dimension size of every rank (``rows``, e.g. summed
@@ -128,6 +147,17 @@ class Communicator:
         self._count(op, tensor)
         dist.all_gather(parts, tensor)
         return [p.cpu() for p in parts]
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change the default process group's timeout for every later collective (``dist.set_timeout``),
+        e.g. a larger one for the final synchronisation so that a slow but alive rank does not fail the run."""
+        dist.set_timeout(timedelta(seconds=float(seconds)))
+
+    def broadcast_json(self, obj: dict | None, src: int = 0) -> dict:
+        """Broadcast a JSON-serialisable dict from ``src`` (run metadata: run id, output dir, seed, start
+        time), pickle-free; every rank returns the same dict."""
+        data = json.dumps(obj, sort_keys=True).encode() if self.rank == src else None
+        return json.loads(self.broadcast_bytes(data, src).decode())
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Send ``data`` (given on ``src``; ignored elsewhere) to every rank; returns it on all ranks."""
