@@ -128,7 +128,7 @@ class Communicator:
         parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == dst else None
         self._count("gather", padded)
         dist.gather(padded, gather_list=parts, dst=dst)
-        return [p[:r].cpu().clone() for p, r in zip(parts, rows)] if parts is not None else None
+        return [p[:r].cpu() for p, r in zip(parts, rows)] if parts is not None else None
 
     def all_gather_sized(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Gather when every rank already knows the first-dimension size of every rank (``rows``, e.g. summed
@@ -139,7 +139,7 @@ class Communicator:
         padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
         padded[: tensor.shape[0]] = tensor.to(self.device)
         parts = self._all_gather_fixed(padded, "all_gather")
-        return [p[:r].clone() for p, r in zip(parts, rows)]
+        return [p[:r] for p, r in zip(parts, rows)]  # views: no second copy of the payload
 
     def _all_gather_fixed(self, tensor: torch.Tensor, op: str) -> list[torch.Tensor]:
         tensor = tensor.to(self.device).contiguous()
