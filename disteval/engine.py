@@ -14,7 +14,7 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,7 +56,6 @@ class ShardOutcome:
     samples: int = 0
     batches: int = 0
     seconds_forward: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: SampleIdCoverage, *,

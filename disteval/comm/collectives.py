@@ -123,8 +123,7 @@ class Communicator:
         rows = [int(m[0]) for m in metas]
         if dst is None:
             return self.all_gather_sized(tensor, rows)
-        padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
-        padded[: tensor.shape[0]] = tensor.to(self.device)
+        padded = self._padded(tensor, max(rows))
         parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == dst else None
         self._count("gather", padded)
         dist.gather(padded, gather_list=parts, dst=dst)
@@ -136,10 +135,14 @@ class Communicator:
         agree across ranks (the caller guarantees it). Returns W CPU tensors in rank order."""
         if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
             raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
-        padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
-        padded[: tensor.shape[0]] = tensor.to(self.device)
-        parts = self._all_gather_fixed(padded, "all_gather")
+        parts = self._all_gather_fixed(self._padded(tensor, max(rows)), "all_gather")
         return [p[:r] for p, r in zip(parts, rows)]  # views: no second copy of the payload
+
+    def _padded(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        """``tensor`` zero-padded along dim 0 to ``rows`` rows, on the communication device."""
+        padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
+        padded[: tensor.shape[0]] = tensor.to(self.device)
+        return padded
 
     def _all_gather_fixed(self, tensor: torch.Tensor, op: str) -> list[torch.Tensor]:
         tensor = tensor.to(self.device).contiguous()
