@@ -166,31 +166,48 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     log.setLevel(logging.INFO)
 
 
-def _wait_for_peers(run_dir: str, world_size: int, timeout_s: float, progress, started: float) -> None:
-    """Rank 0, after its own shard: refresh the progress display from the peers' status records until every
-    rank reached ``sync``. Raises PeerFailedError when a peer's record says ``failed`` (quoting its error)
-    or has not been updated for ``timeout_s`` seconds (the peer stalled: stopped, hung on I/O, deadlocked),
-    so that a stalled rank is named and the run ends after one timeout, not two."""
-    while True:
-        records = [read_status(run_dir, r) for r in range(world_size)]
+class PeerWatch:
+    """Rank 0's view of its peers through their status records (no collective): feeds the progress display
+    and raises PeerFailedError when a peer's record says ``failed`` (quoting its error), has not changed for
+    ``timeout_s`` seconds (stopped, hung on I/O, deadlocked), or never appeared, so that a stalled rank is
+    named within one timeout, while rank 0 is still evaluating as well as while it waits to synchronise."""
+
+    def __init__(self, run_dir: str, world_size: int, timeout_s: float, progress, started: float,
+                 every_s: float = 0.5):
+        self.run_dir, self.world_size, self.timeout_s = run_dir, world_size, timeout_s
+        self.progress, self.started, self.every_s = progress, started, every_s
+        self._last = 0.0
+
+    def check(self) -> list[dict | None]:
+        """Read every record, refresh the display, raise on a failed, stalled or missing peer."""
+        records = [read_status(self.run_dir, r) for r in range(self.world_size)]
         now = time.time()
         for r, s in enumerate(records):
             if s and s.get("phase") == "failed":
                 err = s.get("error") or {}
                 raise PeerFailedError(r, f"rank {r} failed before the synchronisation: {err.get('type')}: "
                                          f"{err.get('message')}")
-            if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > timeout_s:
-                raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {timeout_s:g} s "
+            if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > self.timeout_s:
+                raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {self.timeout_s:g} s "
                                          f"(communication.timeout_s) in phase {s.get('phase')!r} after "
                                          f"{s.get('samples_done')}/{s.get('samples_planned')} samples")
-        if progress:
-            progress.refresh_from(records)
-        if all(s and s.get("phase") in ("sync", "done") for s in records):
-            return
         missing = [r for r, s in enumerate(records) if s is None]
-        if missing and now - started > timeout_s:
+        if missing and now - self.started > self.timeout_s:
             raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")
-        time.sleep(0.2)
+        if self.progress:
+            self.progress.refresh_from(records)
+        return records
+
+    def maybe_check(self) -> None:
+        """``check()`` at most every ``every_s`` seconds (called after each of rank 0's batches)."""
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            self.check()
+
+    def wait_all_in_sync(self) -> None:
+        """Poll until every rank reached ``sync`` (or raise as ``check`` does)."""
+        while not all(s and s.get("phase") in ("sync", "done") for s in self.check()):
+            time.sleep(0.2)
 
 
 def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
@@ -246,18 +263,19 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         metric = build_metric(cfg, num_classes)
         coverage = SampleIdCoverage()
         seconds_load = time.perf_counter() - t_load
-        progress = report.GlobalProgress(len(dataset), run_dir, world_size,
-                                         enabled=rank == 0 and cfg.eval.progress)
+        progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
+        watch = PeerWatch(run_dir, world_size, float(cfg.communication.timeout_s), progress,
+                          started=status.record["t_start"]) if rank == 0 and world_size > 1 else None
         with progress:
             outcome = evaluate_shard(
                 model, dataset, metric, coverage, rank=rank, world_size=world_size,
                 batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
                 precision=cfg.precision, status=status,
-                on_batch=(lambda b, s: progress.maybe_refresh()) if rank == 0 else None)
+                on_batch=(lambda b, s: watch.maybe_check()) if watch else
+                (lambda b, s: progress.refresh_from([{"samples_done": s}])))
             status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
-            if rank == 0 and world_size > 1:
-                _wait_for_peers(run_dir, world_size, float(cfg.communication.timeout_s), progress,
-                                started=status.record["t_start"])
+            if watch:
+                watch.wait_all_in_sync()
             local = metric.local_summary()
             if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
                 comm.set_timeout(float(cfg.communication.sync_timeout_s))

@@ -29,13 +29,12 @@ _console = Console()
 
 
 class GlobalProgress:
-    """Rank 0's progress bar of the whole run: samples counted by all ranks (read from their status.json,
-    no collective), and the global rate in images/s. A no-op when ``enabled`` is False."""
+    """Rank 0's progress bar of the whole run: samples counted by all ranks (from their status records,
+    passed in by ``refresh_from``; no collective), and the global rate in images/s. A no-op when
+    ``enabled`` is False."""
 
-    def __init__(self, total: int, run_dir: str, world_size: int, enabled: bool = True, every_s: float = 0.5):
-        self.total, self.run_dir, self.world_size = total, run_dir, world_size
-        self.enabled, self.every_s = enabled, every_s
-        self._last = 0.0
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.enabled = total, enabled
         self._t0 = time.perf_counter()
         self._progress = Progress(TextColumn("[bold]evaluating"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("{task.fields[rate]} images/s"), TimeElapsedColumn(),
@@ -59,11 +58,6 @@ class GlobalProgress:
     def refresh_from(self, records: list[dict | None]) -> None:
         if self._progress:
             self._set(sum(int(r.get("samples_done") or 0) for r in records if r))
-
-    def maybe_refresh(self) -> None:
-        if self._progress and time.perf_counter() - self._last >= self.every_s:
-            self._last = time.perf_counter()
-            self.refresh_from([read_status(self.run_dir, r) for r in range(self.world_size)])
 
     def finish(self) -> None:
         if self._progress:
