@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from disteval.comm.profiles import apply_profile
 from disteval.config import DistevalConfig, conf_dir, register_schemas
 from disteval.errors import ConfigError, DistevalError, RankFailedError, RunInterrupted
 from disteval.records import archive_previous_records
@@ -42,6 +43,11 @@ def job_container(cfg: DictConfig) -> dict:
     except ValueError:
         choice = None
     container["experiment_name"] = choice or "default"
+    try:
+        explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    except ValueError:
+        explicit = set()
+    container["communication_profile"] = apply_profile(container, explicit)
     return container
 
 

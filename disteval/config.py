@@ -110,7 +110,10 @@ class PrecisionConfig:
 class CommunicationConfig:
     """``communication.*``: collectives. timeout_s (seconds) is the process group's timeout; every
     collective of the project runs under it. sync_timeout_s (seconds, null = timeout_s) replaces it for the
-    final synchronisation, where ranks wait for the slowest one (``torch.distributed.set_timeout``)."""
+    final synchronisation, where ranks wait for the slowest one (``torch.distributed.set_timeout``).
+    profile: ``none``, ``auto`` (pick from ``profiles`` by device name) or a profile's name; profiles: the
+    hardware table in conf/communication/default.yaml (``name``, ``match`` substrings of the device name,
+    and the communication.* defaults it sets); explicit overrides win."""
 
     backend: Backend = Backend.auto
     timeout_s: float = 300.0
@@ -118,6 +121,7 @@ class CommunicationConfig:
     compression: Compression = Compression.none
     async_threshold_bytes: int = 64 * 1024 * 1024
     profile: str = "none"
+    profiles: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

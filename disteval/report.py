@@ -116,7 +116,7 @@ def build_results(cfg: Any, *, run_dir: str, world_size: int, num_samples: int, 
         "per_rank": per_rank,
         "timings": timings,
         "throughput": {"images_per_s": num_samples / slowest if slowest > 0 else None},
-        "comm": dict(comm, backend=backend),
+        "comm": dict(comm, backend=backend, profile=_plain(cfg.get("communication_profile"))),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
                       "deterministic": bool(cfg.precision.deterministic)},
         "device": device,
@@ -124,6 +124,10 @@ def build_results(cfg: Any, *, run_dir: str, world_size: int, num_samples: int, 
         "config_digest": config_digest(cfg),
         "created": time.time(),
     })
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def write_results(run_dir: str, results: dict) -> Path:
