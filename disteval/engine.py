@@ -280,10 +280,10 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
                 comm.set_timeout(float(cfg.communication.sync_timeout_s))
             t_sync = time.perf_counter()
-            row = [float(rank), float(outcome.start), float(outcome.end), float(outcome.samples),
-                   float(outcome.batches), seconds_load, outcome.seconds_forward,
-                   local["accuracy"] if local["accuracy"] is not None else float("nan"),
-                   local["nll"] if local["nll"] is not None else float("nan")]
+            fields = {**local, "rank": rank, "start": outcome.start, "end": outcome.end,
+                      "samples": outcome.samples, "batches": outcome.batches, "seconds_load": seconds_load,
+                      "seconds_forward": outcome.seconds_forward}
+            row = [float("nan") if fields[k] is None else float(fields[k]) for k in report.ROW_FIELDS]
             runs, rows = synchronise(metric, coverage, comm, row)
             seconds_sync = time.perf_counter() - t_sync
             progress.finish()
