@@ -36,7 +36,7 @@ class Backend(str, Enum):
 
 
 class Compression(str, Enum):
-    """Payload compression of collectives (only ``none`` is implemented by this version)."""
+    """Payload compression of gathered states (see ``disteval.comm.compression``)."""
 
     none = "none"
     lossless = "lossless"
@@ -113,13 +113,22 @@ class CommunicationConfig:
     final synchronisation, where ranks wait for the slowest one (``torch.distributed.set_timeout``).
     profile: ``none``, ``auto`` (pick from ``profiles`` by device name) or a profile's name; profiles: the
     hardware table in conf/communication/default.yaml (``name``, ``match`` substrings of the device name,
-    and the communication.* defaults it sets); explicit overrides win."""
+    and the communication.* defaults it sets); explicit overrides win.
+    compression: none | lossless | fp16 | bf16 for gathered states; compress_states: which gather-states it
+    applies to (null = all; fp16/bf16 round only states a metric declares compressible, naming an exact one
+    is an error). async_threshold_bytes: payloads above it go in asynchronous chunks of chunk_bytes with at
+    most max_in_flight outstanding (null = never chunk). reduce_scatter_min_bytes: sliceable sum-states
+    above it (a large confusion matrix) are reduce-scattered and finished per slice (null = never)."""
 
     backend: Backend = Backend.auto
     timeout_s: float = 300.0
     sync_timeout_s: Optional[float] = None
     compression: Compression = Compression.none
-    async_threshold_bytes: int = 64 * 1024 * 1024
+    compress_states: Optional[List[str]] = None
+    async_threshold_bytes: Optional[int] = 64 * 1024 * 1024
+    chunk_bytes: int = 16 * 1024 * 1024
+    max_in_flight: int = 2
+    reduce_scatter_min_bytes: Optional[int] = 64 * 1024 * 1024
     profile: str = "none"
     profiles: List[Dict[str, Any]] = field(default_factory=list)
 

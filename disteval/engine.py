@@ -109,8 +109,29 @@ def _unwrap_worker_error(exc: DistevalError) -> DistevalError:
     return type(exc)(re.sub(rf"^(?:[\w.]+\.)?{type(exc).__name__}: ", "", last))
 
 
+@dataclass
+class SyncPolicy:
+    """How ``synchronise`` moves each kind of state (``communication.*``).
+
+    compression: none | lossless | fp16 | bf16 for gather-states (``disteval.comm.compression``);
+    compress_states: the gather-states it applies to (None = all; lossy modes round only states declared
+    compressible); reduce_scatter_min_bytes: sliceable sum-states larger than this many bytes are
+    reduce-scattered and finished per slice (None = never)."""
+
+    compression: str = "none"
+    compress_states: list[str] | None = None
+    reduce_scatter_min_bytes: int | None = None
+
+    @classmethod
+    def from_config(cls, comm_cfg: Any) -> "SyncPolicy":
+        states = comm_cfg.get("compress_states")
+        return cls(str(getattr(comm_cfg.compression, "value", comm_cfg.compression)),
+                   None if states is None else [str(x) for x in states],
+                   comm_cfg.get("reduce_scatter_min_bytes"))
+
+
 def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
-                per_rank_row: list[float]) -> tuple[torch.Tensor, list[list[float]]]:
+                per_rank_row: list[float], policy: SyncPolicy | None = None) -> tuple[torch.Tensor, list[list[float]]]:
     """The one synchronisation of a run, in three collectives whatever the number of batches or states:
 
     1. one all_reduce of all int64 sum-states flattened into one buffer, which also carries a [W] vector
@@ -119,11 +140,15 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     3. one all_gather of the padded int64 payload: this rank's sample-id runs and a small float64 row
        (bit-cast, no pickle).
 
-    Metrics with gather-states add one variable-size gather per state. ``per_rank_row`` must have the same
-    length on every rank. Loads the synced states into ``metric``.
+    By payload kind (``policy``): each gather-state adds one metadata all_gather and one variable-size gather
+    (compressed as the policy says); each sliceable sum-state above ``reduce_scatter_min_bytes`` leaves the
+    all_reduce for two reduce_scatters (its rows, then the small per-row partials) and one all_gather of the
+    per-row results that each rank finished for its slice. ``per_rank_row`` must have the same length on
+    every rank. Loads the synced states into ``metric``.
     Returns ``(all id runs int64 [k, 2], rows of all ranks in rank order)``.
     """
-    states = metric.states()
+    policy = policy or SyncPolicy()
+    states, specs = metric.states(), metric.specs()
     row = torch.tensor(per_rank_row, dtype=torch.float64)
     payload = torch.cat([row.view(torch.int64), coverage.runs().reshape(-1)])
     sizes = torch.zeros(comm.world_size, dtype=torch.int64)
@@ -131,15 +156,52 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     sums = {k: v for k, (v, red) in states.items() if red == "sum"}
     if "payload_sizes" in sums:
         raise ValueError("metric state name 'payload_sizes' is reserved")
-    synced = comm.all_reduce_coalesced({**sums, "payload_sizes": sizes})
+    limit = policy.reduce_scatter_min_bytes
+    sliced = sorted(k for k, v in sums.items() if specs[k].sliceable and limit is not None
+                    and v.numel() * v.element_size() > limit)
+    synced = comm.all_reduce_coalesced({**{k: v for k, v in sums.items() if k not in sliced}, "payload_sizes": sizes})
     sizes = synced.pop("payload_sizes").tolist()
-    synced.update({k: torch.cat(comm.all_gather_variable(v)) for k, (v, red) in states.items() if red == "gather"})
+    for name in sorted(k for k, (v, red) in states.items() if red == "gather"):
+        mode = policy.compression if policy.compress_states is None or name in policy.compress_states else "none"
+        synced[name] = torch.cat(comm.all_gather_variable(states[name][0], compression=mode,
+                                                          compressible=specs[name].compressible, name=name))
     metric.load_synced(synced)
+    for name in sliced:
+        block, start, stop = comm.reduce_scatter_rows(sums[name])
+        partial = metric.slice_partials(name, block, start, stop)
+        part_block = comm.reduce_scatter_rows(partial)[0] if partial is not None else None
+        done = metric.finish_slice(name, block, start, stop, part_block)
+        counts = [b - a for a, b in comm.row_bounds(sums[name].shape[0])]
+        metric.load_finished(name, torch.cat(comm.all_gather_sized(done, counts)))
     parts = comm.all_gather_sized(payload, sizes)
     width = row.numel()
     rows = [p[:width].clone().view(torch.float64).tolist() for p in parts]
     runs = torch.cat([p[width:].reshape(-1, 2) for p in parts])
     return runs, rows
+
+
+def check_sync_policy(metric: Metric, policy: SyncPolicy) -> None:
+    """Refuse a compression request the metrics do not allow, before any rank starts. Raises ConfigError
+    naming ``communication.compress_states`` and the state: an unknown state, a sum-state (all-reduced,
+    never compressed), or with fp16/bf16 a state its metric declares exact (integer counts, labels)."""
+    from disteval.errors import ConfigError
+
+    if policy.compress_states is None:
+        return
+    specs = metric.specs()
+    gather = sorted(k for k, s in specs.items() if s.reduction == "gather")
+    compressible = sorted(k for k, s in specs.items() if s.compressible)
+    for name in policy.compress_states:
+        if name not in specs:
+            raise ConfigError("communication.compress_states", f"unknown state {name!r}; the gather-states of "
+                              f"eval.metrics are {gather}")
+        if specs[name].reduction != "gather":
+            raise ConfigError("communication.compress_states", f"state {name!r} is an exact sum-state "
+                              f"(all-reduced in int64/float64) and is never compressed; gather-states: {gather}")
+        if policy.compression in ("fp16", "bf16") and not specs[name].compressible:
+            raise ConfigError("communication.compress_states", f"state {name!r} is declared exact by its metric "
+                              f"and cannot be sent as {policy.compression}; compressible states: {compressible} "
+                              "(communication.compression=lossless keeps it exact)")
 
 
 def build_metric(cfg: Any, num_classes: int) -> MetricCollection:
@@ -233,8 +295,11 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         device = resolve_device(cfg.dist.device, env.local_rank if env else 0)
         backend = resolve_backend(cfg.communication.backend, device)
         init_process_group(backend, cfg.communication.timeout_s, env)
+        cc = cfg.communication
         comm = Communicator("cpu" if backend == "gloo" else device,
-                            on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}))
+                            on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}),
+                            async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
+                            max_in_flight=cc.max_in_flight)
         if agree_run_dir and env is not None:  # each rank composed its own config: rank 0's metadata wins
             meta = comm.broadcast_json({"run_dir": run_dir, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
                                         "seed": int(cfg.seed), "t_start": status.record["t_start"]}
@@ -284,7 +349,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                       "samples": outcome.samples, "batches": outcome.batches, "seconds_load": seconds_load,
                       "seconds_forward": outcome.seconds_forward}
             row = [float("nan") if fields[k] is None else float(fields[k]) for k in report.ROW_FIELDS]
-            runs, rows = synchronise(metric, coverage, comm, row)
+            runs, rows = synchronise(metric, coverage, comm, row, SyncPolicy.from_config(cfg.communication))
             seconds_sync = time.perf_counter() - t_sync
             progress.finish()
         results = None

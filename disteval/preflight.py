@@ -32,9 +32,13 @@ def validate_config(cfg: Any) -> None:
     if not math.isfinite(cfg.communication.timeout_s) or cfg.communication.timeout_s <= 0:
         raise ConfigError("communication.timeout_s", f"must be a finite number of seconds > 0, got "
                           f"{cfg.communication.timeout_s}")
-    comp = str(getattr(cfg.communication.compression, "value", cfg.communication.compression))
-    if comp != "none":
-        raise ConfigError("communication.compression", f"{comp!r} is not implemented yet; use none")
+    cc = cfg.communication
+    for key, low, nullable in (("async_threshold_bytes", 0, True), ("chunk_bytes", 1, False),
+                               ("max_in_flight", 1, False), ("reduce_scatter_min_bytes", 0, True)):
+        value = cc.get(key)
+        if (value is None and not nullable) or (value is not None and value < low):
+            raise ConfigError(f"communication.{key}", f"must be an integer >= {low}"
+                              f"{' or null' if nullable else ''}, got {value}")
     if cfg.eval.trials != 1:
         raise ConfigError("eval.trials", "only eval.trials=1 is implemented in this version")
     sync_t = cfg.communication.sync_timeout_s
@@ -107,4 +111,6 @@ def preflight(cfg: Any) -> int:
     if too_big:
         raise ConfigError("eval.topk", f"k={too_big} exceed the {num_classes} classes; e.g. eval.topk=[1]")
     preflight_model(cfg.model, num_classes, input_shape(cfg.data))
+    from disteval.engine import SyncPolicy, build_metric, check_sync_policy
+    check_sync_policy(build_metric(cfg, num_classes), SyncPolicy.from_config(cfg.communication))
     return num_classes

@@ -5,7 +5,8 @@ dataset {name, split, root, num_samples, num_classes}, model {name, weights, che
 coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank, host, shard [start, end),
 samples, batches, metrics {accuracy, nll}, seconds {load, forward}, images_per_s}], timings {load, forward,
 sync, total} (seconds, rank 0's clock; forward = slowest rank), throughput {images_per_s},
-comm {collectives, bytes, by_op, backend}, precision, device, versions, config_digest, created.
+comm {collectives, bytes, by_op, chunked, compression {state: {mode, wire, bytes_before, bytes_after,
+max_abs_error, max_rel_error}}, backend, profile}, precision, device, versions, config_digest, created.
 """
 from __future__ import annotations
 
@@ -164,6 +165,11 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
     table.add_row("forward throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
     table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
     table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
+    for state, c in (results["comm"].get("compression") or {}).items():
+        if c["bytes_after"] != c["bytes_before"] or c["max_abs_error"]:
+            table.add_row(f"{state} sent as {c['wire']}",
+                          f"{c['bytes_before']:,} -> {c['bytes_after']:,} bytes, max error {c['max_abs_error']:.2g} "
+                          f"abs / {c['max_rel_error']:.2g} rel")
     console.print(table)
     present, total = m.get("classes_with_samples"), results["dataset"]["num_classes"]
     if present is not None and present < total:

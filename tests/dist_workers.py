@@ -2,6 +2,7 @@
 Each starts the process group once and runs many cases inside it."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.data import IndexedDataset
-from disteval.engine import evaluate_shard, synchronise
+from disteval.engine import SyncPolicy, evaluate_shard, synchronise
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
                               check_coverage)
 from disteval.records import StatusWriter
@@ -39,6 +40,7 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
     try:
         init_process_group("gloo", 120, env)
         comm = Communicator()
+        chunked = Communicator(async_threshold_bytes=64, chunk_bytes=48, max_in_flight=2)
         model = torch.nn.Identity()
         for n, batch_size in cases:
             logits, labels = synthetic_logits(n, seed=n)
@@ -48,12 +50,19 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
             coverage = SampleIdCoverage()
             outcome = evaluate_shard(model, dataset, metric, coverage, rank=env.rank, world_size=env.world_size,
                                      batch_size=batch_size)
+            other = copy.deepcopy(metric)
             before = comm.collectives
             runs, rows = synchronise(metric, coverage, comm, [float(env.rank), float(outcome.samples)])
+            # the same states through the other policies: confusion reduce-scattered and finished per slice,
+            # gathers losslessly compressed, everything above 64 bytes in async chunks of 48 bytes
+            before_alt = chunked.by_op.copy()
+            synchronise(other, coverage, chunked, [0.0], SyncPolicy("lossless", None, reduce_scatter_min_bytes=0))
             if env.rank == 0:
                 rep = check_coverage(runs, n)
                 out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
-                       "batches": outcome.batches, "rank_samples": [int(r[1]) for r in rows]}
+                       "batches": outcome.batches, "rank_samples": [int(r[1]) for r in rows],
+                       "metrics_alt": other.compute(), "alt_ops": dict(chunked.by_op - before_alt),
+                       "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
         status.update(phase="done", force=True)
     except BaseException as exc:

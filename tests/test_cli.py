@@ -160,11 +160,36 @@ def test_checkpoint_errors_before_ranks(cli, tmp_path):
                                           ("eval.topk=[1,20]", "eval.topk"),
                                           ("dist.world_size=0", "dist.world_size"),
                                           ("data.limit=0", "data.limit"),
-                                          ("model.weights=null model.num_classes=5", "model.num_classes")])
+                                          ("model.weights=null model.num_classes=5", "model.num_classes"),
+                                          ("communication.chunk_bytes=0", "communication.chunk_bytes"),
+                                          ("communication.compression=fp16 eval.metrics=[classification,ranking] "
+                                           "communication.compress_states=[ranking.targets]", "'ranking.targets'"),
+                                          ("communication.compression=lossless "
+                                           "communication.compress_states=[classification.confusion]",
+                                           "'classification.confusion'")])
 def test_refused_configs_name_the_key(cli, override, key):
     proc, run_dir = cli(*override.split())
     assert proc.returncode == 2 and key in proc.stderr
     assert not (run_dir / "ranks").exists()
+
+
+def test_fp16_scores_error_and_bytes_in_results(cli):
+    """Opted-in fp16 scores: results.json comm.compression holds the measured error and bytes before/after;
+    AUROC stays within the drift documented in the README; exact states are untouched."""
+    proc, run_dir = cli("eval.metrics=[classification,ranking]", "communication.compression=fp16")
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    comp = res["comm"]["compression"]
+    n = res["dataset"]["num_samples"]
+    scores, targets = comp["ranking.scores"], comp["ranking.targets"]
+    assert scores["bytes_before"] == n * 10 * 8 and scores["bytes_after"] == n * 10 * 2
+    assert 0 < scores["max_abs_error"] <= 2.0 ** -12  # softmax scores lie in [0, 1]: half an fp16 ulp at 1
+    assert targets["wire"] == "raw:int64" and targets["max_abs_error"] == 0
+    exact_proc, exact_dir = cli("eval.metrics=[classification,ranking]")
+    exact = load_results(exact_dir)
+    assert exact["comm"]["compression"] == {}
+    assert abs(res["metrics"]["auroc_macro"] - exact["metrics"]["auroc_macro"]) < 1e-4
+    assert res["metrics"]["top1"] == exact["metrics"]["top1"]  # counts are never compressed
 
 
 def test_schema_error_from_cli_names_key(cli):

@@ -22,7 +22,7 @@ def test_explicit_override_wins_and_is_recorded():
                                    "compression": "none", "backend": "auto"}}
     record = apply_profile(container, {"communication.timeout_s"}, device="NVIDIA GeForce RTX 4090")
     assert container["communication"]["timeout_s"] == 42.0  # the user's value
-    assert record == {"name": "other-gpu", "device": "NVIDIA GeForce RTX 4090", "applied": {"compression": "none"}}
+    assert record == {"name": "other-gpu", "device": "NVIDIA GeForce RTX 4090", "applied": {"compression": "fp16"}}
     record = apply_profile(container, set(), device="NVIDIA GeForce RTX 4090")
     assert container["communication"]["timeout_s"] == 600.0 and record["applied"]["timeout_s"] == 600.0
 

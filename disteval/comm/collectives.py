@@ -2,29 +2,56 @@
 runs under the process group's timeout, and is counted (number and bytes sent by this rank).
 
 - ``all_reduce_coalesced``: all sum-states of one dtype flattened into one buffer, one all_reduce per dtype.
+- ``reduce_scatter_rows``: sum a large state across ranks but hand each rank only its block of rows
+  (the split of ``shard_bounds``): half the bytes of a ring all_reduce, for states whose rows each rank can
+  finish on its own (a confusion matrix over thousands of classes).
 - ``all_gather_variable``: tensors whose first dimension differs between ranks: exchange metadata
-  (rows, dtype, trailing shape) in one all_gather, pad, one all_gather, trim. A dtype or trailing-shape
-  mismatch raises the same ValueError on every rank (all see the same metadata) instead of hanging.
+  (rows, dtype, trailing shape, value range, compression error) in one all_gather, pad, one all_gather, trim.
+  A dtype or trailing-shape mismatch raises the same ValueError on every rank (all see the same metadata)
+  instead of hanging. Optional compression (``disteval.comm.compression``) with measured error.
 - ``all_gather_sized``: the same without the metadata round when the sizes are already known.
 - ``gather_variable(dst=r)``: the same to one rank only (``gather``).
 - ``broadcast_bytes`` / ``broadcast_json``: bytes or a JSON dict from one rank to all (length, then
   payload), e.g. the run directory and run metadata.
 - ``set_timeout``: a different timeout for later collectives (the final synchronisation).
+
+Adaptive mode: a payload larger than ``async_threshold_bytes`` goes in chunks of ``chunk_bytes`` with
+asynchronous collectives, at most ``max_in_flight`` outstanding, written straight into the result buffer:
+the backend's temporary buffers then hold chunk_bytes x max_in_flight (x W for gathers) instead of the whole
+payload. Chunks are element ranges of the same flat buffer, so the result is bit-identical to one call.
+Reductions of *floating-point* payloads are the exception and always go in one call: the backend's
+summation order depends on how the buffer is split (gloo's ring reduces each segment starting from a
+different rank), so chunking would change the last bits of a float64 sum. Integer sums are exact in any
+order and are chunked like gathers.
 """
 from __future__ import annotations
 
 import json
-from collections import Counter
+import math
+import struct
+from collections import Counter, deque
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from disteval.comm import compression as cz
+from disteval.data.sharding import shard_bounds
+
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
            torch.float16, torch.bfloat16, torch.int8, torch.int16]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _MAX_DIMS = 6
+_META = 3 + _MAX_DIMS + 5  # rows, dtype code, ndim, trailing dims, min, max, exact-f32, abs err, rel err
+
+
+def _f2i(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _i2f(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(i)))[0]
 
 
 class Communicator:
@@ -33,18 +60,30 @@ class Communicator:
     Args:
         device: where collective buffers live (CPU for gloo, the rank's CUDA device for nccl).
         on_collective: called as ``on_collective(op, nbytes)`` before each collective (status records).
+        async_threshold_bytes: payloads above this size (bytes) go in asynchronous chunks; None = never.
+        chunk_bytes: bytes per chunk in that mode (>= 1).
+        max_in_flight: chunks outstanding at once (>= 1).
 
     Attributes: ``collectives`` (int, number issued), ``bytes`` (int, payload bytes this rank sent),
-    ``by_op`` (Counter of op names).
+    ``by_op`` (Counter of op names), ``chunked`` (payloads sent in chunks), ``compression`` (per named
+    payload: mode, wire form, bytes before/after over all ranks, max abs/rel error).
     """
 
     def __init__(self, device: torch.device | str = "cpu",
-                 on_collective: Callable[[str, int], None] | None = None):
+                 on_collective: Callable[[str, int], None] | None = None,
+                 async_threshold_bytes: int | None = 64 * 1024 * 1024, chunk_bytes: int = 16 * 1024 * 1024,
+                 max_in_flight: int = 2):
+        if chunk_bytes < 1 or max_in_flight < 1:
+            raise ValueError(f"chunk_bytes and max_in_flight must be >= 1, got {chunk_bytes}, {max_in_flight}")
         self.device = torch.device(device)
         self.on_collective = on_collective
+        self.async_threshold_bytes = async_threshold_bytes
+        self.chunk_bytes, self.max_in_flight = int(chunk_bytes), int(max_in_flight)
         self.collectives = 0
         self.bytes = 0
         self.by_op: Counter = Counter()
+        self.chunked = 0
+        self.compression: dict[str, dict] = {}
 
     @property
     def rank(self) -> int:
@@ -54,17 +93,44 @@ class Communicator:
     def world_size(self) -> int:
         return dist.get_world_size()
 
-    def _count(self, op: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
+    def _note(self, op: str, nbytes: int) -> None:
         self.collectives += 1
         self.bytes += nbytes
         self.by_op[op] += 1
         if self.on_collective is not None:
             self.on_collective(op, nbytes)
 
+    def _count(self, op: str, t: torch.Tensor) -> None:
+        self._note(op, t.numel() * t.element_size())
+
     def stats(self) -> dict:
-        """``{"collectives": int, "bytes": int, "by_op": {op: count}}`` for results.json."""
-        return {"collectives": self.collectives, "bytes": self.bytes, "by_op": dict(self.by_op)}
+        """``{"collectives", "bytes", "by_op", "chunked", "compression"}`` for results.json."""
+        return {"collectives": self.collectives, "bytes": self.bytes, "by_op": dict(self.by_op),
+                "chunked": self.chunked, "compression": dict(self.compression)}
+
+    def _run(self, op: str, numel: int, itemsize: int, launch: Callable[[int, int, bool], object],
+             chunkable: bool = True) -> None:
+        """Issue ``launch(lo, hi, async_op)`` over element range [0, numel): once synchronously when the
+        payload is at most ``async_threshold_bytes`` (or not ``chunkable``), else chunk by chunk with at most
+        ``max_in_flight`` asynchronous works outstanding. ``numel`` must be equal on every rank (it decides
+        the chunking)."""
+        nbytes = numel * itemsize
+        if (not chunkable or self.async_threshold_bytes is None or nbytes <= self.async_threshold_bytes
+                or numel == 0):
+            self._note(op, nbytes)
+            launch(0, numel, False)
+            return
+        step = max(1, self.chunk_bytes // itemsize)
+        pending: deque = deque()
+        for lo in range(0, numel, step):
+            hi = min(numel, lo + step)
+            if len(pending) >= self.max_in_flight:
+                pending.popleft().wait()
+            self._note(op, (hi - lo) * itemsize)
+            pending.append(launch(lo, hi, True))
+        while pending:
+            pending.popleft().wait()
+        self.chunked += 1
 
     def all_reduce_coalesced(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sum each tensor across ranks with one all_reduce per dtype (names sorted for a fixed layout).
@@ -78,8 +144,7 @@ class Communicator:
         for dtype in sorted(by_dtype, key=lambda d: _CODE.get(d, 99)):
             names = by_dtype[dtype]
             flat = torch.cat([tensors[n].detach().reshape(-1).to(self.device) for n in names])
-            self._count("all_reduce", flat)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            self.all_reduce_(flat)
             flat = flat.cpu()
             offset = 0
             for n in names:
@@ -88,30 +153,85 @@ class Communicator:
                 offset += numel
         return out
 
-    def all_gather_variable(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_reduce_(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sum the contiguous tensor ``flat`` across ranks in place (integers chunked above the threshold;
+        floats in one call so that the summation order, and so every bit, is that of the one-call path)."""
+        flat = flat.reshape(-1)
+
+        def launch(lo, hi, async_op):
+            return dist.all_reduce(flat[lo:hi], op=dist.ReduceOp.SUM, async_op=async_op)
+
+        self._run("all_reduce", flat.numel(), flat.element_size(), launch, not flat.dtype.is_floating_point)
+        return flat
+
+    def row_bounds(self, num_rows: int) -> list[tuple[int, int]]:
+        """Each rank's block ``[start, stop)`` of ``num_rows`` rows in ``reduce_scatter_rows``
+        (``shard_bounds``: contiguous, sizes differ by at most one, empty when rows < world size)."""
+        return [shard_bounds(num_rows, self.world_size, r) for r in range(self.world_size)]
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Sum ``tensor`` [R, ...] (same shape and dtype on every rank) across ranks and return only this
+        rank's rows: ``(block [stop - start, ...], start, stop)`` with ``row_bounds(R)``. One
+        ``reduce_scatter`` (chunked above the threshold): each rank sends (W-1)/W of the payload, half of what
+        a ring all_reduce moves. Returns a CPU tensor."""
+        rows = tensor.shape[0]
+        row_numel = math.prod(tensor.shape[1:])
+        flat = tensor.detach().to(self.device).contiguous().reshape(-1)
+        bounds = self.row_bounds(rows)
+        pieces = [flat[a * row_numel:b * row_numel] for a, b in bounds]
+        start, stop = bounds[self.rank]
+        out = torch.empty((stop - start) * row_numel, dtype=tensor.dtype, device=self.device)
+        longest = max(p.numel() for p in pieces)
+
+        def launch(lo, hi, async_op):
+            inputs = [p[min(lo, p.numel()):min(hi, p.numel())] for p in pieces]
+            return dist.reduce_scatter(out[min(lo, out.numel()):min(hi, out.numel())], inputs,
+                                       op=dist.ReduceOp.SUM, async_op=async_op)
+
+        # element ranges run over the longest block; one step moves W such ranges (itemsize x W bytes)
+        self._run("reduce_scatter", longest, tensor.element_size() * self.world_size, launch,
+                  not tensor.dtype.is_floating_point)
+        return out.reshape((stop - start, *tensor.shape[1:])).cpu(), start, stop
+
+    def all_gather_variable(self, tensor: torch.Tensor, *, compression: str = "none", compressible: bool = False,
+                            name: str | None = None) -> list[torch.Tensor]:
         """Gather ``tensor`` (shape [rows_r, *trailing], rows may differ and be 0) from every rank to every rank.
 
         Returns the list of W CPU tensors in rank order. Raises ValueError on every rank when ranks disagree
-        on dtype, trailing shape, or use an unsupported dtype/rank count of dimensions.
+        on dtype, trailing shape, or use an unsupported dtype/rank count of dimensions. ``compression``,
+        ``compressible``, ``name``: see ``gather_variable``.
         """
-        return self.gather_variable(tensor, dst=None)
+        return self.gather_variable(tensor, dst=None, compression=compression, compressible=compressible,
+                                    name=name)
 
-    def gather_variable(self, tensor: torch.Tensor, dst: int | None = None) -> list[torch.Tensor] | None:
+    def gather_variable(self, tensor: torch.Tensor, dst: int | None = None, *, compression: str = "none",
+                        compressible: bool = False, name: str | None = None) -> list[torch.Tensor] | None:
         """Like ``all_gather_variable``, but with ``dst`` set only that rank receives the W tensors (one
         ``gather`` instead of an ``all_gather``: W times less memory elsewhere); other ranks get None.
-        The metadata round still reaches every rank, so a mismatch raises the same error everywhere."""
-        if tensor.dtype not in _CODE or tensor.ndim < 1 or tensor.ndim > _MAX_DIMS:
-            code, ndim = -1, tensor.ndim
-        else:
-            code, ndim = _CODE[tensor.dtype], tensor.ndim
-        meta = torch.full((3 + _MAX_DIMS,), -1, dtype=torch.int64)
+        The metadata round still reaches every rank, so a mismatch raises the same error everywhere.
+
+        ``compression`` (none | lossless | fp16 | bf16, see ``disteval.comm.compression``): lossy modes apply
+        only when ``compressible`` (the caller's metric declared the float payload compressible). With a
+        ``name`` and a mode other than none, ``self.compression[name]`` records the wire form, the bytes
+        before and after over all ranks, and the max abs / rel error over all ranks (measured, not bounded).
+        """
+        if compression not in cz.MODES:
+            raise ValueError(f"unknown compression {compression!r}; one of {cz.MODES}")
+        supported = tensor.dtype in _CODE and 1 <= tensor.ndim <= _MAX_DIMS
+        code, ndim = (_CODE[tensor.dtype], tensor.ndim) if supported else (-1, tensor.ndim)
+        lossy = cz.plan(compression, tensor.dtype, compressible) if supported else cz.WirePlan("raw", tensor.dtype)
+        lo, hi = cz.local_range(tensor)
+        err_abs, err_rel = cz.lossy_error(tensor, lossy)
+        meta = torch.full((_META,), -1, dtype=torch.int64)
         meta[0] = tensor.shape[0] if tensor.ndim else -1
         meta[1], meta[2] = code, ndim
         trailing = list(tensor.shape[1:])[: _MAX_DIMS]
         meta[3:3 + len(trailing)] = torch.tensor(trailing, dtype=torch.int64)
+        tail = [lo, hi, int(compression == "lossless" and cz.exact_in_float32(tensor)), _f2i(err_abs), _f2i(err_rel)]
+        meta[3 + _MAX_DIMS:] = torch.tensor(tail, dtype=torch.int64)
         metas = self._all_gather_fixed(meta, "all_gather_meta")
         codes = {int(m[1]) for m in metas}
-        shapes = {tuple(int(x) for x in m[2:]) for m in metas}
+        shapes = {tuple(int(x) for x in m[2:3 + _MAX_DIMS]) for m in metas}
         if -1 in codes:
             bad = [r for r, m in enumerate(metas) if int(m[1]) == -1]
             raise ValueError(f"all_gather_variable: unsupported dtype or dimensions on rank(s) {bad}")
@@ -121,22 +241,55 @@ class Communicator:
                              for r, m in enumerate(metas))
             raise ValueError(f"all_gather_variable: ranks disagree on dtype or trailing shape ({desc})")
         rows = [int(m[0]) for m in metas]
-        if dst is None:
-            return self.all_gather_sized(tensor, rows)
-        padded = self._padded(tensor, max(rows))
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == dst else None
-        self._count("gather", padded)
-        dist.gather(padded, gather_list=parts, dst=dst)
-        return [p[:r].cpu() for p, r in zip(parts, rows)] if parts is not None else None
+        t = 3 + _MAX_DIMS
+        nonempty = [m for m in metas if int(m[0]) > 0] or metas[:1]
+        p = cz.plan(compression, tensor.dtype, compressible, min(int(m[t]) for m in nonempty),
+                    max(int(m[t + 1]) for m in nonempty), all(int(m[t + 2]) == 1 for m in nonempty))
+        row_numel = math.prod(tensor.shape[1:])
+        # the wire form travels as raw bytes (gloo has no int16, for one), [wire rows, bytes per wire row]
+        wire_rows = [cz.encoded_rows(p, r, row_numel) for r in rows]
+        row_bytes = p.wire_dtype.itemsize * (1 if p.kind == "bits" else row_numel)
+        wire = cz.encode(tensor, p).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)
+        parts = self._gather_sized(wire, wire_rows, dst)
+        if name is not None and compression != "none":
+            wire_row_numel = 1 if p.kind == "bits" else row_numel
+            self.compression[name] = {
+                "mode": compression, "wire": f"{p.kind}:{str(p.wire_dtype).replace('torch.', '')}",
+                "bytes_before": sum(rows) * row_numel * tensor.element_size(),
+                "bytes_after": sum(wire_rows) * wire_row_numel * p.wire_dtype.itemsize,
+                "max_abs_error": max(_i2f(int(m[t + 3])) for m in metas),
+                "max_rel_error": max(_i2f(int(m[t + 4])) for m in metas)}
+        if parts is None:
+            return None
+        trailing = () if p.kind == "bits" else tuple(tensor.shape[1:])
+        return [cz.decode(w.reshape(-1).view(p.wire_dtype).reshape(wr, *trailing), p, tensor.dtype,
+                          (r, *tensor.shape[1:])) for w, r, wr in zip(parts, rows, wire_rows)]
 
     def all_gather_sized(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Gather when every rank already knows the first-dimension size of every rank (``rows``, e.g. summed
         into an earlier all_reduce): pad to the largest, one all_gather, trim. Dtype and trailing shape must
         agree across ranks (the caller guarantees it). Returns W CPU tensors in rank order."""
+        return self._gather_sized(tensor, rows, None)
+
+    def _gather_sized(self, tensor: torch.Tensor, rows: list[int], dst: int | None) -> list[torch.Tensor] | None:
         if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
             raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
-        parts = self._all_gather_fixed(self._padded(tensor, max(rows)), "all_gather")
-        return [p[:r] for p, r in zip(parts, rows)]  # views: no second copy of the payload
+        padded = self._padded(tensor, max(rows))
+        flat = padded.reshape(-1)
+        receive = dst is None or self.rank == dst
+        out = torch.empty((self.world_size, flat.numel()), dtype=tensor.dtype, device=self.device) if receive else None
+
+        def launch(lo, hi, async_op):
+            outs = [out[r, lo:hi] for r in range(self.world_size)] if receive else None
+            if dst is None:
+                return dist.all_gather(outs, flat[lo:hi], async_op=async_op)
+            return dist.gather(flat[lo:hi], gather_list=outs, dst=dst, async_op=async_op)
+
+        self._run("all_gather" if dst is None else "gather", flat.numel(), flat.element_size(), launch)
+        if out is None:
+            return None
+        out = out.cpu().reshape((self.world_size, *padded.shape))
+        return [out[i, :r] for i, r in enumerate(rows)]  # views: no second copy of the payload
 
     def _padded(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
         """``tensor`` zero-padded along dim 0 to ``rows`` rows, on the communication device."""

@@ -7,14 +7,32 @@ A metric accumulates *states* locally; ``states()`` declares each one with its r
 
 ``load_synced(states)`` replaces the local states by the synchronised ones; ``compute()`` turns states into
 metric values. Integer counts are int64 and float sums float64, declared once per state.
+
+Two declarations steer the communication layer (``specs()``):
+
+- ``compressible=True`` (float gather-states only): the metric tolerates lossy fp16/bf16 transport of this
+  state; every other state is *exact* and is never rounded.
+- ``sliceable=True`` (sum-states): the metric can finish its per-row results from a block of rows of the
+  summed state (``slice_partials`` / ``finish_slice`` / ``load_finished``), so a large state may be
+  reduce-scattered instead of all-reduced (a confusion matrix over thousands of classes).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Literal
 
 import torch
 
 Reduction = Literal["sum", "gather"]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """How a state is synchronised: its reduction and whether lossy transport / row slicing is allowed."""
+
+    reduction: Reduction
+    compressible: bool = False
+    sliceable: bool = False
 
 
 class Metric:
@@ -23,13 +41,43 @@ class Metric:
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
         self._reductions: dict[str, Reduction] = {}
+        self._specs: dict[str, StateSpec] = {}
 
-    def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum") -> None:
-        """Declare a state. Sum-states must be int64 or float64 (counts never narrower)."""
+    def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum", *,
+                  compressible: bool = False, sliceable: bool = False) -> None:
+        """Declare a state. Sum-states must be int64 or float64 (counts never narrower). Raises TypeError /
+        ValueError for a narrower sum-state, a compressible state that is not a float gather-state, or a
+        sliceable state that is not a sum-state with at least one dimension."""
         if reduction == "sum" and value.dtype not in (torch.int64, torch.float64):
             raise TypeError(f"sum-state {name!r} must be int64 or float64, got {value.dtype}")
+        if compressible and (reduction != "gather" or not value.dtype.is_floating_point):
+            raise ValueError(f"state {name!r}: only float gather-states can be declared compressible")
+        if sliceable and (reduction != "sum" or value.ndim < 1):
+            raise ValueError(f"state {name!r}: only sum-states with a row dimension can be declared sliceable")
         self._states[name] = value
         self._reductions[name] = reduction
+        self._specs[name] = StateSpec(reduction, compressible, sliceable)
+
+    def specs(self) -> dict[str, StateSpec]:
+        """``{name: StateSpec}`` of every state."""
+        return dict(self._specs)
+
+    def slice_partials(self, name: str, block: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """For a sliceable state: from this rank's rows ``[start, stop)`` of the summed state, a partial
+        sum-state over the same row space (e.g. a confusion matrix's column sums, [C]) that the comm layer
+        reduce-scatters with the same row split; None when the rows suffice."""
+        raise NotImplementedError(f"{type(self).__name__} declares {name!r} sliceable but has no slice_partials")
+
+    def finish_slice(self, name: str, block: torch.Tensor, start: int, stop: int,
+                     partial: torch.Tensor | None) -> torch.Tensor:
+        """Per-row results ``[stop - start, k]`` of rows ``[start, stop)`` (``partial``: this rank's rows of
+        the summed ``slice_partials``). The comm layer gathers them and calls ``load_finished``."""
+        raise NotImplementedError(f"{type(self).__name__} declares {name!r} sliceable but has no finish_slice")
+
+    def load_finished(self, name: str, rows: torch.Tensor) -> None:
+        """Receive the gathered per-row results of every rank (``[R, k]``, rows in order) in place of the
+        full synchronised state ``name``."""
+        raise NotImplementedError(f"{type(self).__name__} declares {name!r} sliceable but has no load_finished")
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
         raise NotImplementedError

@@ -5,6 +5,11 @@ States (all sum-reduced): ``count`` int64 [], ``correct_topk`` int64 [K], ``conf
 (rows = true class, columns = predicted class, as scikit-learn's confusion_matrix), ``nll_sum`` float64 [],
 ``ece_count`` int64 [M], ``ece_correct`` int64 [M], ``ece_conf_sum`` float64 [M].
 
+``confusion`` is sliceable: every result derived from it needs only, per class c, tp_c (the diagonal entry,
+in row c), support_c (row sum) and predicted_c (column sum, i.e. the sum over every block of rows of that
+block's column sums). A rank holding rows [a, b) of the summed matrix therefore finishes classes a..b-1 as
+int64 counts ``[b - a, 3]`` = (tp, support, predicted) after one more reduce-scatter of its column sums.
+
 Definitions:
 - prediction = argmax of the logits, ties to the lowest class index (torch.argmax / numpy.argmax);
 - top-k correct when the target is among the first k classes of a stable descending sort of the logits
@@ -59,7 +64,8 @@ class ClassificationMetrics(Metric):
         self.ece_bins = ece_bins
         self.add_state("count", torch.zeros((), dtype=torch.int64))
         self.add_state("correct_topk", torch.zeros(len(self.topk), dtype=torch.int64))
-        self.add_state("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64))
+        self.add_state("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64), sliceable=True)
+        self._class_counts: torch.Tensor | None = None  # [C, 3] (tp, support, predicted) when sliced
         self.add_state("nll_sum", torch.zeros((), dtype=torch.float64))
         self.add_state("ece_count", torch.zeros(ece_bins, dtype=torch.int64))
         self.add_state("ece_correct", torch.zeros(ece_bins, dtype=torch.int64))
@@ -116,6 +122,32 @@ class ClassificationMetrics(Metric):
         s["ece_correct"] += torch.bincount(bins[correct], minlength=m)
         s["ece_conf_sum"].index_add_(0, bins, conf)
 
+    def slice_partials(self, name, block, start, stop):
+        """Column sums ``[C]`` int64 of the confusion rows ``[start, stop)``."""
+        return block.sum(0)
+
+    def finish_slice(self, name, block, start, stop, partial):
+        """``[stop - start, 3]`` int64: (tp, support, predicted) of classes start..stop-1."""
+        idx = torch.arange(stop - start)
+        return torch.stack([block[idx, start + idx], block.sum(1), partial], dim=1).to(torch.int64)
+
+    def load_finished(self, name, rows):
+        if rows.shape != (self.num_classes, 3):
+            raise ValueError(f"finished confusion rows of shape {tuple(rows.shape)}, want ({self.num_classes}, 3)")
+        self._class_counts = rows.to(torch.int64)
+
+    def load_synced(self, states):
+        if "confusion" in states:  # a full confusion matrix replaces earlier per-slice results
+            self._class_counts = None
+        super().load_synced(states)
+
+    def _tp_support_predicted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._class_counts is not None:
+            c = self._class_counts.numpy()
+            return c[:, 0], c[:, 1], c[:, 2]
+        cm = self._states["confusion"].numpy()
+        return np.diag(cm).astype(np.int64), cm.sum(axis=1), cm.sum(axis=0)
+
     def compute(self) -> dict:
         """Metric values (floats; None where undefined, e.g. with zero samples):
         ``num_samples``, ``top{k}``, ``accuracy``, ``macro_precision``, ``macro_recall``, ``macro_f1``,
@@ -125,10 +157,7 @@ class ClassificationMetrics(Metric):
         ``per_class_support`` (list of C ints)."""
         s = {k: v.numpy() for k, v in self._states.items()}
         n = int(s["count"])
-        cm = s["confusion"]
-        tp = np.diag(cm).astype(np.int64)
-        support = cm.sum(axis=1)
-        predicted = cm.sum(axis=0)
+        tp, support, predicted = self._tp_support_predicted()
         fp, fn = predicted - tp, support - tp
         nan = float("nan")
         out: dict = {"num_samples": n}

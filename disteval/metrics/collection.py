@@ -23,6 +23,25 @@ class MetricCollection(Metric):
     def states(self):
         return {f"{family}.{name}": value for family, m in self.metrics.items() for name, value in m.states().items()}
 
+    def specs(self):
+        return {f"{family}.{name}": spec for family, m in self.metrics.items() for name, spec in m.specs().items()}
+
+    def _route(self, name: str) -> tuple[Metric, str]:
+        family, _, state = name.partition(".")
+        return self.metrics[family], state
+
+    def slice_partials(self, name, block, start, stop):
+        m, state = self._route(name)
+        return m.slice_partials(state, block, start, stop)
+
+    def finish_slice(self, name, block, start, stop, partial):
+        m, state = self._route(name)
+        return m.finish_slice(state, block, start, stop, partial)
+
+    def load_finished(self, name, rows):
+        m, state = self._route(name)
+        m.load_finished(state, rows)
+
     def load_synced(self, states: dict[str, torch.Tensor]) -> None:
         for family, m in self.metrics.items():
             prefix = f"{family}."

@@ -66,7 +66,8 @@ class RankingMetrics(Metric):
     def __init__(self, num_classes: int, multilabel: bool = False):
         super().__init__()
         self.num_classes, self.multilabel = num_classes, multilabel
-        self.add_state("scores", torch.zeros((0, num_classes), dtype=torch.float64), "gather")
+        # scores may travel as fp16/bf16 when the user opts in (communication.compression); targets are exact
+        self.add_state("scores", torch.zeros((0, num_classes), dtype=torch.float64), "gather", compressible=True)
         shape = (0, num_classes) if multilabel else (0,)
         self.add_state("targets", torch.zeros(shape, dtype=torch.int64), "gather")
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
