@@ -2,12 +2,23 @@
 one-element-at-a-time gather (what list-state metrics do), all measured in one run.
 
     python benchmarks/gather.py [--world-sizes 2 4] [--sizes 1000 100000 10000000] [--repeats 3]
+                                [--compress-rows 1000000] [--confusion-classes 1000 10000]
 
 For each world size one group of real ranks (gloo, torch.distributed.elastic) gathers float32 payloads of
 each size per rank (rank r holds size + r elements, so sizes differ) with every method, checks that all
 methods return the same tensors, and prints the median time of the slowest rank and the peak RSS increase
 of the slowest rank per method (peak RSS above the level at the call, sampled every 0.5 ms), with the ratio all_gather_object / gather_variable. The one-at-a-time
 method is run only up to 1e5 elements (it issues one all_gather per element).
+Also, from the same groups of ranks:
+
+- gather_variable in the adaptive chunked mode (async chunks of 4 MiB, 2 in flight) beside the one-call
+  path: same bits, bounded extra memory;
+- compression: lossless (int64 labels in [0, 1000) -> int16, bool flags -> bits) and fp16 (float64 softmax
+  scores) against none: wire bytes ratio, time, and the measured max error;
+- confusion matrices of C = 1000 and 10000 classes (int64 [C, C] per rank): all_reduce against the
+  reduce_scatter path (rows reduce-scattered, each rank finishes its classes, [C, 3] counts gathered), in
+  bytes sent through the loopback interface by all ranks together (/proc/net/dev, measured) and time.
+
 Target (issue 3): at 1e7 elements gather_variable at least 2x faster than all_gather_object, lower memory.
 """
 from __future__ import annotations
@@ -63,20 +74,99 @@ class PeakRSS:
         self.peak_mib = self.peak - self.start
 
 
+def _lo_bytes() -> int:
+    """Bytes transmitted so far on the loopback interface (all local processes; gloo's TCP goes there)."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            if line.strip().startswith("lo:"):
+                return int(line.split(":", 1)[1].split()[8])
+    except OSError:
+        pass
+    return -1
+
+
+def _timed(fn, repeats: int) -> tuple[float, float, int, object]:
+    """(median seconds, max peak RSS +MiB, loopback bytes of the last repeat, last result), barrier-aligned."""
+    times, peaks, wire, result = [], [], -1, None
+    for _ in range(repeats):
+        result = None
+        dist.barrier()
+        before = _lo_bytes()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+        wire = _lo_bytes() - before
+        peaks.append(mem.peak_mib)
+    return statistics.median(times), max(peaks), wire, result
+
+
+def _compression_cases(comm, rank: int, rows: int, repeats: int) -> dict:
+    from disteval.comm import Communicator
+
+    g = torch.Generator().manual_seed(rank)
+    payloads = {"labels int64 [0,1000)": (torch.randint(0, 1000, (rows,), generator=g), "lossless", False),
+                "flags bool": (torch.rand(rows, generator=g) > 0.5, "lossless", False),
+                "softmax scores float64": (torch.softmax(torch.randn(rows // 10, 10, generator=g,
+                                                                     dtype=torch.float64), 1), "fp16", True)}
+    out = {}
+    for name, (t, mode, compressible) in payloads.items():
+        for m in ("none", mode):
+            c = Communicator()
+            sec, rss, _, _ = _timed(lambda: c.all_gather_variable(t, compression=m, compressible=compressible,
+                                                                  name="x"), repeats)
+            out[f"{name}/{m}"] = {"seconds": sec, "rss_mib": rss, **c.compression.get("x", {})}
+    return out
+
+
+def _confusion_cases(comm, rank: int, classes: list[int], repeats: int) -> dict:
+    from disteval.metrics import ClassificationMetrics
+
+    out = {}
+    for c in classes:
+        g = torch.Generator().manual_seed(rank)
+        cm = torch.randint(0, 50, (c, c), generator=g, dtype=torch.int64)
+        metric = ClassificationMetrics(c, topk=(1,))
+
+        def all_reduce():
+            flat = cm.clone().reshape(-1)
+            comm.all_reduce_(flat)
+            full = flat.reshape(c, c)
+            return torch.stack([full.diagonal(), full.sum(1), full.sum(0)], 1)
+
+        def sliced():
+            block, start, stop = comm.reduce_scatter_rows(cm)
+            part = comm.reduce_scatter_rows(metric.slice_partials("confusion", block, start, stop))[0]
+            done = metric.finish_slice("confusion", block, start, stop, part)
+            return torch.cat(comm.all_gather_sized(done, [b - a for a, b in comm.row_bounds(c)]))
+
+        results = {}
+        for name, fn in (("all_reduce", all_reduce), ("reduce_scatter", sliced)):
+            sec, rss, wire, results[name] = _timed(fn, repeats if c <= 2000 else 1)
+            out[f"{c}/{name}"] = {"seconds": sec, "rss_mib": rss, "wire_bytes": wire}
+        assert torch.equal(results["all_reduce"], results["reduce_scatter"]), c
+        del results
+    return out
+
+
 @record
-def gather_worker(sizes: list[int], repeats: int, one_max: int) -> dict:
+def gather_worker(sizes: list[int], repeats: int, one_max: int, compress_rows: int = 0,
+                  confusion_classes: list[int] | None = None) -> dict:
     from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 
     env = RankEnv.from_env()
     torch.set_num_threads(1)
     init_process_group("gloo", 600, env)
     comm = Communicator()
+    chunked = Communicator(async_threshold_bytes=4 * 2**20, chunk_bytes=4 * 2**20, max_in_flight=2)
     out: dict = {}
     try:
         for size in sizes:
             local = torch.arange(size + env.rank, dtype=torch.float32) + 0.25 * env.rank
             methods = {
                 "gather_variable": lambda: comm.all_gather_variable(local),
+                "gather_variable chunked": lambda: chunked.all_gather_variable(local),
                 "all_gather_object": lambda: _object_gather(local, env.world_size),
             }
             if size <= one_max:
@@ -98,6 +188,10 @@ def gather_worker(sizes: list[int], repeats: int, one_max: int) -> dict:
                 else:
                     assert all(torch.equal(a, b) for a, b in zip(reference, result)), name
                 out[f"{size}/{name}"] = {"seconds": statistics.median(times), "rss_mib": max(peaks)}
+        if compress_rows:
+            out["compression"] = _compression_cases(comm, env.rank, compress_rows, repeats)
+        if confusion_classes:
+            out["confusion"] = _confusion_cases(comm, env.rank, confusion_classes, repeats)
         return out
     finally:
         destroy_process_group()
@@ -132,6 +226,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 10_000_000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--one-at-a-time-max", type=int, default=1_000)
+    ap.add_argument("--compress-rows", type=int, default=1_000_000, help="elements per rank (0: skip)")
+    ap.add_argument("--confusion-classes", type=int, nargs="*", default=[1000, 10000])
     args = ap.parse_args()
 
     from rich.console import Console
@@ -142,12 +238,23 @@ def main() -> None:
     table = Table(title=f"gathering float32 payloads (median of {args.repeats}, slowest rank)")
     for col in ("W", "elements/rank", "method", "seconds", "peak RSS +MiB", "time vs gather_variable"):
         table.add_column(col, justify="right")
+    comp = Table(title="compression of gathered payloads (slowest rank; bytes over all ranks)")
+    for col in ("W", "payload", "mode", "wire", "bytes before", "bytes after", "ratio", "seconds",
+                "time vs none", "max abs err", "max rel err"):
+        comp.add_column(col, justify="right")
+    conf = Table(title="confusion matrix int64 [C, C]: all_reduce vs reduce_scatter + per-class finish")
+    for col in ("W", "C", "method", "seconds", "loopback bytes (all ranks)", "bytes vs all_reduce",
+                "time vs all_reduce", "peak RSS +MiB"):
+        conf.add_column(col, justify="right")
     for w in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            per_rank = launch(gather_worker, (args.sizes, args.repeats, args.one_at_a_time_max), w, tmp)
+            per_rank = launch(gather_worker, (args.sizes, args.repeats, args.one_at_a_time_max, args.compress_rows,
+                                              args.confusion_classes), w, tmp)
         for size in args.sizes:
             rows = {}
             for key in per_rank[0]:
+                if "/" not in key:
+                    continue
                 s, name = key.split("/")
                 if int(s) == size:
                     rows[name] = (max(per_rank[r][key]["seconds"] for r in range(w)),
@@ -155,7 +262,28 @@ def main() -> None:
             base = rows["gather_variable"][0]
             for name, (sec, rss) in rows.items():
                 table.add_row(str(w), f"{size:,}", name, f"{sec:.4f}", f"{rss:.1f}", f"{sec / base:.1f}x")
-    Console().print(table)
+        for key, rec in per_rank[0].get("compression", {}).items():
+            name, mode = key.split("/")
+            sec = max(per_rank[r]["compression"][key]["seconds"] for r in range(w))
+            base = max(per_rank[r]["compression"][f"{name}/none"]["seconds"] for r in range(w))
+            if mode == "none":
+                comp.add_row(str(w), name, mode, "-", "-", "-", "1.0", f"{sec:.4f}", "1.0x", "-", "-")
+                continue
+            comp.add_row(str(w), name, mode, rec["wire"], f"{rec['bytes_before']:,}", f"{rec['bytes_after']:,}",
+                         f"{rec['bytes_before'] / rec['bytes_after']:.1f}", f"{sec:.4f}", f"{sec / base:.2f}x",
+                         f"{rec['max_abs_error']:.2g}", f"{rec['max_rel_error']:.2g}")
+        for key in per_rank[0].get("confusion", {}):
+            c, name = key.split("/")
+            sec = max(per_rank[r]["confusion"][key]["seconds"] for r in range(w))
+            base = max(per_rank[r]["confusion"][f"{c}/all_reduce"]["seconds"] for r in range(w))
+            wire = per_rank[0]["confusion"][key]["wire_bytes"]
+            wire0 = per_rank[0]["confusion"][f"{c}/all_reduce"]["wire_bytes"]
+            rss = max(per_rank[r]["confusion"][key]["rss_mib"] for r in range(w))
+            conf.add_row(str(w), c, name, f"{sec:.3f}", f"{wire:,}", f"{wire / wire0:.2f}", f"{sec / base:.2f}x",
+                         f"{rss:.0f}")
+    console = Console(width=max(Console().width, 160))
+    for t in (table, comp, conf):
+        console.print(t)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def _policy_cases(r: int, res: dict) -> None:
         (p, a0, b0), (q, a1, b1) = plain.reduce_scatter_rows(t), chunked.reduce_scatter_rows(t)
         res["reduce_scatter"][str(shape)] = {"block": q.tolist(), "bounds": [a1, b1],
                                              "equal": torch.equal(p, q) and (a0, b0) == (a1, b1)}
+    f = rank_floats(r, 11, 5)  # float rows: summed in rank order on every path, so chunking keeps the bits
+    (p, _, _), (q, _, _) = plain.reduce_scatter_rows(f), chunked.reduce_scatter_rows(f)
+    res["float_reduce_scatter_equal"] = torch.equal(p.view(torch.int64), q.view(torch.int64))
+    res["float_reduce_scatter"] = _bits(q)
     res["chunked_count"], res["plain_chunked_count"] = chunked.chunked, plain.chunked
     res["chunked_by_op"] = dict(chunked.by_op)
     # lossless: exact round trips, smaller wire

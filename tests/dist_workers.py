@@ -22,6 +22,11 @@ NUM_CLASSES = 7
 TOPK = (1, 3)
 
 
+def multilabel_targets(n: int, seed: int) -> np.ndarray:
+    """Deterministic multi-hot targets int64 [n, 7] (about 30 % positives) for the multi-label variant."""
+    return (np.random.default_rng(seed + 1).random((n, NUM_CLASSES)) < 0.3).astype(np.int64)
+
+
 def synthetic_logits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic logits float32 [n, 7] (half of the cases rounded, so ties occur) and labels [n]."""
     rng = np.random.default_rng(seed)
@@ -57,11 +62,18 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
             # gathers losslessly compressed, everything above 64 bytes in async chunks of 48 bytes
             before_alt = chunked.by_op.copy()
             synchronise(other, coverage, chunked, [0.0], SyncPolicy("lossless", None, reduce_scatter_min_bytes=0))
+            # multi-label variant: the same logits with multi-hot targets, sigmoid scores
+            ml_data = IndexedDataset(TensorDataset(torch.from_numpy(logits),
+                                                   torch.from_numpy(multilabel_targets(n, seed=n))))
+            ml = RankingMetrics(NUM_CLASSES, multilabel=True)
+            evaluate_shard(model, ml_data, ml, SampleIdCoverage(), rank=env.rank, world_size=env.world_size,
+                           batch_size=batch_size)
+            synchronise(ml, SampleIdCoverage(), comm, [0.0])
             if env.rank == 0:
                 rep = check_coverage(runs, n)
                 out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
                        "batches": outcome.batches, "rank_samples": [int(r[1]) for r in rows],
-                       "metrics_alt": other.compute(), "alt_ops": dict(chunked.by_op - before_alt),
+                       "metrics_alt": other.compute(), "multilabel": ml.compute(), "alt_ops": dict(chunked.by_op - before_alt),
                        "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
         status.update(phase="done", force=True)

@@ -71,3 +71,19 @@ def reference_ranking(logits: np.ndarray, labels: np.ndarray, num_classes: int) 
         if y.sum() > 0:
             aps.append(average_precision_score(y, probs[:, c]))
     return {"auroc_macro": float(np.mean(aucs)) if aucs else None, "ap_macro": float(np.mean(aps)) if aps else None}
+
+
+def reference_multilabel(logits: np.ndarray, targets: np.ndarray) -> dict:
+    """Multi-label macro AUROC / AP with scikit-learn per class over sigmoid probabilities, averaged over the
+    classes where each is defined."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    aucs, aps = [], []
+    for c in range(targets.shape[1]):
+        y = targets[:, c].astype(bool)
+        if 0 < y.sum() < len(y):
+            aucs.append(roc_auc_score(y, probs[:, c]))
+        if y.sum() > 0:
+            aps.append(average_precision_score(y, probs[:, c]))
+    return {"auroc_macro": float(np.mean(aucs)) if aucs else None, "ap_macro": float(np.mean(aps)) if aps else None}

@@ -90,6 +90,10 @@ def test_reduce_scatter_rows_uneven_and_empty(outcome):
             blocks.append((a, b))
         assert blocks[0][0] == 0 and blocks[-1][1] == shape[0]
         assert all(blocks[i][1] == blocks[i + 1][0] for i in range(W - 1))  # contiguous, every row once
+    total = _floats(0, 11, 5) + _floats(1, 11, 5) + _floats(2, 11, 5)  # rank order, as documented
+    got = torch.cat([torch.tensor(res["float_reduce_scatter"], dtype=torch.int64).view(torch.float64).reshape(-1, 5)
+                     for res in outcome])
+    assert torch.equal(got, total) and all(res["float_reduce_scatter_equal"] for res in outcome)
 
 
 def test_lossless_round_trip_is_exact_and_smaller(outcome):

@@ -1,14 +1,16 @@
 """Exactness with real processes (gloo): for N in {1, 2, 7, 97, 1000}, W in {1, 2, 3, 4} and batch size in
-{1, 7, 64}, every metric (classification sums and AUROC/AP from gathered scores, ties included) equals a
+{1, 7, 64}, every metric (classification sums and AUROC/AP from gathered scores, ties included, multi-class
+and multi-label) equals a
 single-process numpy/scikit-learn reference; the collectives issued do not depend on the number of batches;
 the reduce_scatter / lossless / chunked synchronisation gives the very same values. One group of W ranks runs all 15 cases of its W."""
 import json
 
 import pytest
 
-from dist_workers import NUM_CLASSES, TOPK, exactness_worker, padding_worker, synthetic_logits
+from dist_workers import (NUM_CLASSES, TOPK, exactness_worker, multilabel_targets, padding_worker,
+                          synthetic_logits)
 from launchers.local import launch
-from reference import assert_metrics_equal, reference_metrics, reference_ranking
+from reference import assert_metrics_equal, reference_metrics, reference_multilabel, reference_ranking
 
 SIZES = [1, 2, 7, 97, 1000]
 BATCHES = [1, 7, 64]
@@ -27,6 +29,11 @@ def test_metrics_equal_single_process_reference(world_size, tmp_path):
             assert (out["metrics"][key] is None) == (want is None), key
             if want is not None:
                 assert abs(out["metrics"][key] - want) <= 1e-12 * abs(want), (key, out["metrics"][key], want)
+        for key, want in reference_multilabel(logits, multilabel_targets(n, seed=n)).items():  # multi-label
+            got = out["multilabel"][key]
+            assert (got is None) == (want is None), key
+            if want is not None:
+                assert abs(got - want) <= 1e-12 * abs(want), (key, got, want)
         # reduce_scatter + per-slice finish, lossless gathers, async chunks: the very same values
         assert out["metrics_alt"] == out["metrics"]
         assert out["alt_ops"]["reduce_scatter"] >= 2 and out["alt_wire"]["ranking.targets"] == "offset:uint8"

@@ -54,6 +54,26 @@ def _i2f(i: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
 
 
+# all_gather_into_tensor was renamed all_gather_single (the old name warns in torch 2.14)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _RankOrderSum:
+    """Completes an all_to_all of row blocks: after the exchange, ``dest = recv[0] + recv[1] + ...`` in
+    rank order (``wait()`` does both; a finished synchronous exchange passes ``work=None``)."""
+
+    def __init__(self, work, recv: torch.Tensor, dest: torch.Tensor):
+        self.work, self.recv, self.dest = work, recv, dest
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.recv.shape[0] and self.dest.numel():
+            self.dest.copy_(self.recv[0])
+            for part in self.recv[1:]:
+                self.dest.add_(part)
+
+
 class Communicator:
     """Wraps the default process group.
 
@@ -171,26 +191,40 @@ class Communicator:
 
     def reduce_scatter_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """Sum ``tensor`` [R, ...] (same shape and dtype on every rank) across ranks and return only this
-        rank's rows: ``(block [stop - start, ...], start, stop)`` with ``row_bounds(R)``. One
-        ``reduce_scatter`` (chunked above the threshold): each rank sends (W-1)/W of the payload, half of what
-        a ring all_reduce moves. Returns a CPU tensor."""
+        rank's rows: ``(block [stop - start, ...], start, stop)`` with ``row_bounds(R)``. Returns a CPU tensor.
+
+        Each rank sends (W-1)/W of the payload, half of what a ring all_reduce moves. With nccl this is
+        ``reduce_scatter``. gloo's reduce_scatter moves as many bytes as its all_reduce (measured on the
+        loopback interface by benchmarks/gather.py), so on gloo every rank sends each peer that peer's rows
+        (one ``all_to_all_single``) and sums the W received blocks itself, in rank order: deterministic
+        bits, so this path is chunked above the threshold for floats as well.
+        """
         rows = tensor.shape[0]
         row_numel = math.prod(tensor.shape[1:])
         flat = tensor.detach().to(self.device).contiguous().reshape(-1)
         bounds = self.row_bounds(rows)
         pieces = [flat[a * row_numel:b * row_numel] for a, b in bounds]
         start, stop = bounds[self.rank]
-        out = torch.empty((stop - start) * row_numel, dtype=tensor.dtype, device=self.device)
+        own = (stop - start) * row_numel
+        out = torch.empty(own, dtype=tensor.dtype, device=self.device)
         longest = max(p.numel() for p in pieces)
+        direct = dist.get_backend() == "gloo"
+        w = self.world_size
 
         def launch(lo, hi, async_op):
             inputs = [p[min(lo, p.numel()):min(hi, p.numel())] for p in pieces]
-            return dist.reduce_scatter(out[min(lo, out.numel()):min(hi, out.numel())], inputs,
-                                       op=dist.ReduceOp.SUM, async_op=async_op)
+            dest = out[min(lo, own):min(hi, own)]
+            if not direct:
+                return dist.reduce_scatter(dest, inputs, op=dist.ReduceOp.SUM, async_op=async_op)
+            recv = torch.empty(dest.numel() * w, dtype=tensor.dtype, device=self.device)
+            work = dist.all_to_all_single(recv, torch.cat(inputs), output_split_sizes=[dest.numel()] * w,
+                                          input_split_sizes=[i.numel() for i in inputs], async_op=async_op)
+            finish = _RankOrderSum(work, recv.reshape(w, -1), dest)
+            return finish if async_op else finish.wait()
 
         # element ranges run over the longest block; one step moves W such ranges (itemsize x W bytes)
-        self._run("reduce_scatter", longest, tensor.element_size() * self.world_size, launch,
-                  not tensor.dtype.is_floating_point)
+        self._run("reduce_scatter", longest, tensor.element_size() * w, launch,
+                  direct or not tensor.dtype.is_floating_point)
         return out.reshape((stop - start, *tensor.shape[1:])).cpu(), start, stop
 
     def all_gather_variable(self, tensor: torch.Tensor, *, compression: str = "none", compressible: bool = False,
@@ -221,7 +255,8 @@ class Communicator:
         code, ndim = (_CODE[tensor.dtype], tensor.ndim) if supported else (-1, tensor.ndim)
         lossy = cz.plan(compression, tensor.dtype, compressible) if supported else cz.WirePlan("raw", tensor.dtype)
         lo, hi = cz.local_range(tensor)
-        err_abs, err_rel = cz.lossy_error(tensor, lossy)
+        early = cz.encode(tensor, lossy) if lossy.kind == "lossy" else None  # lossy plans need no global facts
+        err_abs, err_rel = cz.lossy_error(tensor, lossy, early)
         meta = torch.full((_META,), -1, dtype=torch.int64)
         meta[0] = tensor.shape[0] if tensor.ndim else -1
         meta[1], meta[2] = code, ndim
@@ -249,7 +284,7 @@ class Communicator:
         # the wire form travels as raw bytes (gloo has no int16, for one), [wire rows, bytes per wire row]
         wire_rows = [cz.encoded_rows(p, r, row_numel) for r in rows]
         row_bytes = p.wire_dtype.itemsize * (1 if p.kind == "bits" else row_numel)
-        wire = cz.encode(tensor, p).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)
+        wire = (early if early is not None else cz.encode(tensor, p)).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)
         parts = self._gather_sized(wire, wire_rows, dst)
         if name is not None and compression != "none":
             wire_row_numel = 1 if p.kind == "bits" else row_numel
@@ -280,6 +315,8 @@ class Communicator:
         out = torch.empty((self.world_size, flat.numel()), dtype=tensor.dtype, device=self.device) if receive else None
 
         def launch(lo, hi, async_op):
+            if dst is None and not async_op:  # one call straight into the [W, n] result, no list to flatten
+                return _all_gather_single(out.reshape(-1), flat)
             outs = [out[r, lo:hi] for r in range(self.world_size)] if receive else None
             if dst is None:
                 return dist.all_gather(outs, flat[lo:hi], async_op=async_op)
@@ -292,7 +329,10 @@ class Communicator:
         return [out[i, :r] for i, r in enumerate(rows)]  # views: no second copy of the payload
 
     def _padded(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-        """``tensor`` zero-padded along dim 0 to ``rows`` rows, on the communication device."""
+        """``tensor`` zero-padded along dim 0 to ``rows`` rows, on the communication device (the tensor
+        itself when it already has ``rows`` rows and lives there)."""
+        if tensor.shape[0] == rows and tensor.device == self.device and tensor.is_contiguous():
+            return tensor
         padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
         padded[: tensor.shape[0]] = tensor.to(self.device)
         return padded

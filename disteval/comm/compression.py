@@ -112,13 +112,15 @@ def decode(w: torch.Tensor, p: WirePlan, dtype: torch.dtype, shape: tuple[int, .
     return w.to(dtype)
 
 
-def lossy_error(t: torch.Tensor, p: WirePlan) -> tuple[float, float]:
+def lossy_error(t: torch.Tensor, p: WirePlan, encoded: torch.Tensor | None = None) -> tuple[float, float]:
     """``(max_abs_error, max_rel_error)`` that ``p`` introduces on ``t`` (0, 0 for exact plans and empty
-    payloads). Relative error is |x - q(x)| / |x| over x != 0; an overflow to inf counts as inf."""
+    payloads). Relative error is |x - q(x)| / |x| over x != 0; an overflow to inf counts as inf.
+    ``encoded``: ``encode(t, p)`` when already computed (saves a second rounding pass)."""
     if p.kind != "lossy" or t.numel() == 0:
         return 0.0, 0.0
     x = t.to(torch.float64)
-    err = (x - _quantise(t, p.wire_dtype).to(torch.float64)).abs()
+    q = encoded if encoded is not None else _quantise(t, p.wire_dtype)
+    err = (x - q.to(torch.float64)).abs()
     nz = x != 0
     rel = (err[nz] / x[nz].abs()).max().item() if bool(nz.any()) else 0.0
     return float(err.max().item()), float(rel)

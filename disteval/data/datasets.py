@@ -29,7 +29,8 @@ _IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".ti
 
 
 class IndexedDataset(Dataset):
-    """Wraps a map-style dataset of ``(input, target)`` so items are ``(input, target, sample_id)``.
+    """Wraps a map-style dataset of ``(input, target)`` so items are ``(input, target, sample_id)`` (target: a
+    class index int, or a multi-hot int64 tensor [C] for multi-label datasets).
 
     ``limit`` keeps only the first ``limit`` items. A failure to load item ``i`` is re-raised as
     DataError naming the sample id (and the file, when the base dataset has ``samples``).
@@ -52,6 +53,8 @@ class IndexedDataset(Dataset):
             if samples is not None:
                 where = f" (file {samples[index][0]})"
             raise DataError(f"cannot load sample id {index}{where}: {type(exc).__name__}: {exc}") from exc
+        if isinstance(y, torch.Tensor) and y.ndim > 0:  # multi-hot targets [C] of a multi-label dataset
+            return x, y.long(), index
         return x, int(y), index
 
 
