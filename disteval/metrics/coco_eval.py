@@ -1,0 +1,325 @@
+"""COCO detection evaluation (bbox and segm) as pure, vectorised numpy: the semantics of pycocotools'
+COCOeval (evaluate, accumulate, summarize) reproduced bit for bit, split so that matching runs per shard of
+images and only compact per-detection records travel.
+
+Reference: pycocotools/cocoeval.py (cocodataset/cocoapi, COCOeval.evaluateImg / accumulate / summarize) and
+maskApi.c (bbIou). Parameters as pycocotools' defaults for iouType bbox/segm: IoU thresholds
+np.linspace(.5, .95, 10), 101 recall thresholds np.linspace(0, 1, 101), maxDets (1, 10, 100), area ranges
+all [0, 1e10], small [0, 32^2], medium [32^2, 96^2], large [96^2, 1e10] (both ends inclusive).
+
+Matching (``match_shard``): per (image, category), detections sorted by descending score (stable: ties
+keep their order within the image), truncated to 100; ground truths with ``ignore`` (= iscrowd) or an area
+outside the range are *ignored*; each detection in score order takes, among the ground truths not yet taken
+(crowds can be taken again) with IoU >= t, the *last* one of highest IoU among the non-ignored ones, and only
+if there is none the last one of highest IoU among the ignored ones; a detection matched to an ignored
+ground truth, or unmatched with an area outside the range, is ignored. A Python loop runs over detection
+*positions* (at most 100); every step handles all images, categories, thresholds and area ranges at once.
+
+Accumulation (``accumulate``): per category, area range and maxDets, the detections of all images (only the
+first maxDets of each image) sorted by descending score, ties in image-id order then position (pycocotools'
+mergesort over the concatenation in image order); precision interpolated as the running maximum from the
+right; precision at the 101 recall thresholds by ``searchsorted(side="left")``; -1 where a category has no
+non-ignored ground truth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+IOU_THRS = np.linspace(.5, 0.95, int(np.round((0.95 - .5) / .05)) + 1, endpoint=True)
+REC_THRS = np.linspace(.0, 1.00, int(np.round((1.00 - .0) / .01)) + 1, endpoint=True)
+MAX_DETS = (1, 10, 100)
+AREA_RNG = ((0 ** 2, 1e5 ** 2), (0 ** 2, 32 ** 2), (32 ** 2, 96 ** 2), (96 ** 2, 1e5 ** 2))
+AREA_LBL = ("all", "small", "medium", "large")
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+T, A = len(IOU_THRS), len(AREA_RNG)
+
+# one record per kept detection: what accumulate needs, 25 bytes, no pickle
+RECORD_DTYPE = np.dtype([("score", "<f8"), ("image", "<i4"), ("category", "<i2"), ("position", "u1"),
+                         ("tp", "u1", (T * A + 7) // 8), ("fp", "u1", (T * A + 7) // 8)])
+
+
+def _area_out(area: np.ndarray) -> np.ndarray:
+    """bool [n, A]: area outside each range (pycocotools: area < lo or area > hi)."""
+    lo = np.array([r[0] for r in AREA_RNG], dtype=np.float64)
+    hi = np.array([r[1] for r in AREA_RNG], dtype=np.float64)
+    return (area[:, None] < lo[None, :]) | (area[:, None] > hi[None, :])
+
+
+def bbox_iou(d: np.ndarray, g: np.ndarray, crowd: np.ndarray) -> np.ndarray:
+    """IoU of box pairs, element-wise, exactly as pycocotools' maskApi.c bbIou (float64 [n]).
+
+    d, g: float64 [n, 4] boxes (x, y, w, h); crowd: bool [n] (the ground truth is a crowd: intersection over
+    the detection's area). Pairs without overlap (w <= 0 or h <= 0) give 0."""
+    da = d[:, 2] * d[:, 3]
+    ga = g[:, 2] * g[:, 3]
+    w = np.minimum(d[:, 2] + d[:, 0], g[:, 2] + g[:, 0]) - np.maximum(d[:, 0], g[:, 0])
+    h = np.minimum(d[:, 3] + d[:, 1], g[:, 3] + g[:, 1]) - np.maximum(d[:, 1], g[:, 1])
+    inter = w * h
+    union = np.where(crowd, da, da + ga - inter)
+    ok = (w > 0) & (h > 0)
+    out = np.zeros(len(d), dtype=np.float64)
+    np.divide(inter, union, out=out, where=ok)
+    return out
+
+
+@dataclass
+class GroundTruthShard:
+    """Ground truths of some images, in annotation-file order: ``image`` int64 [n] (global image index in
+    sorted image-id order), ``category`` int64 [n] (index into sorted category ids), ``box`` float64 [n, 4]
+    xywh, ``area`` float64 [n] (the annotation's area field), ``crowd`` bool [n], ``ann_id`` int64 [n],
+    ``rle``: list of n pycocotools RLEs (segm only, else None)."""
+
+    image: np.ndarray
+    category: np.ndarray
+    box: np.ndarray
+    area: np.ndarray
+    crowd: np.ndarray
+    ann_id: np.ndarray
+    rle: list | None = None
+
+
+@dataclass
+class DetectionShard:
+    """Detections of some images: ``image`` int64 [n], ``category`` int64 [n], ``score`` float64 [n],
+    ``box`` float64 [n, 4] xywh, ``area`` float64 [n] (w*h for bbox, mask area for segm), ``order`` int64
+    [n] (position in the image's input order, the tie-break of equal scores), ``rle`` (segm only)."""
+
+    image: np.ndarray
+    category: np.ndarray
+    score: np.ndarray
+    box: np.ndarray
+    area: np.ndarray
+    order: np.ndarray
+    rle: list | None = None
+
+
+def _group_starts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For sorted int64 ``keys``: (unique keys, start index, count) of each run."""
+    if keys.size == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    starts = np.concatenate(([0], np.nonzero(np.diff(keys))[0] + 1))
+    counts = np.diff(np.concatenate((starts, [keys.size])))
+    return keys[starts], starts, counts
+
+
+def _segm_iou(det: DetectionShard, gt: GroundTruthShard, d_idx: np.ndarray, g_idx: np.ndarray,
+              pair_groups: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """IoU of the (detection, ground truth) pairs of each group with pycocotools.mask.iou (RLE)."""
+    from pycocotools import mask as mask_utils
+
+    out = np.empty(len(d_idx), dtype=np.float64)
+    for start, n_d, g0, n_g in pair_groups:
+        dets = [det.rle[i] for i in d_idx[start:start + n_d * n_g:n_g]]
+        gts = [gt.rle[j] for j in range(g0, g0 + n_g)]
+        crowd = [int(c) for c in gt.crowd[g0:g0 + n_g]]
+        out[start:start + n_d * n_g] = np.asarray(mask_utils.iou(dets, gts, crowd), dtype=np.float64).reshape(-1)
+    return out
+
+
+def match_shard(det: DetectionShard, gt: GroundTruthShard, num_categories: int,
+                iou_type: str = "bbox") -> tuple[np.ndarray, np.ndarray]:
+    """Match the detections of a set of images against their ground truths (pycocotools' evaluateImg for
+    every image, category and area range at maxDets 100). ``gt`` must hold *all* ground truths of the images
+    that ``det`` covers, and the images evaluated elsewhere must not appear here.
+
+    Returns ``(records, npig)``: ``records`` a RECORD_DTYPE array, one per kept detection (the first 100 by
+    score per image and category) with its tp/fp bits for each (threshold, area range) bit-packed, row-major
+    [T, A]; ``npig`` int64 [K, A], the number of non-ignored ground truths per category and area range.
+    """
+    area_out_gt = _area_out(gt.area)                                   # [G, A]
+    gt_ig = gt.crowd[:, None] | area_out_gt                            # [G, A]
+    npig = np.zeros((num_categories, A), dtype=np.int64)
+    np.add.at(npig, gt.category, (~gt_ig).astype(np.int64))
+
+    # detections: per (image, category) by descending score, stable in input order; keep the first 100
+    key_d = det.image * num_categories + det.category
+    sort_d = np.lexsort((det.order, -det.score, key_d))
+    key_sorted = key_d[sort_d]
+    groups_d, start_d, count_d = _group_starts(key_sorted)
+    position = np.arange(len(sort_d)) - np.repeat(start_d, count_d)
+    keep = position < MAX_DETS[-1]
+    kd = sort_d[keep]                                                  # kept detections, group-contiguous
+    kpos = position[keep]
+    kkey = key_sorted[keep]
+    n = len(kd)
+
+    # ground truths per (image, category), file order inside a group
+    key_g = gt.image * num_categories + gt.category
+    sort_g = np.argsort(key_g, kind="stable")
+    groups_g, start_g, count_g = _group_starts(key_g[sort_g])
+
+    match_gt = np.full((n, T, A), -1, dtype=np.int64)                  # index into sort_g order, or -1
+    both, gi_d, gi_g = np.intersect1d(np.unique(kkey), groups_g, assume_unique=True, return_indices=True)
+    if both.size:
+        # detections of groups with ground truths
+        _, kstart, kcount = _group_starts(kkey)
+        g_of_kgroup = np.full(len(kstart), -1, dtype=np.int64)
+        g_of_kgroup[gi_d] = gi_g
+        det_group = np.repeat(np.arange(len(kstart)), kcount)          # kept-group index of each kept det
+        gg = g_of_kgroup[det_group]                                    # its gt group, or -1
+        with_gt = np.nonzero(gg >= 0)[0]
+        n_g = count_g[gg[with_gt]]
+        # (detection, ground truth) pairs, detection-major
+        pair_det = np.repeat(with_gt, n_g)
+        offs = np.arange(n_g.sum()) - np.repeat(np.cumsum(n_g) - n_g, n_g)
+        pair_gt = np.repeat(start_g[gg[with_gt]], n_g) + offs          # position in sort_g
+        gidx = sort_g[pair_gt]
+        if iou_type == "bbox":
+            iou = bbox_iou(det.box[kd[pair_det]], gt.box[gidx], gt.crowd[gidx])
+        else:
+            pair_groups, p = [], 0
+            for kg in np.nonzero(g_of_kgroup >= 0)[0]:
+                nd, ng = int(kcount[kg]), int(count_g[g_of_kgroup[kg]])
+                pair_groups.append((p, nd, int(start_g[g_of_kgroup[kg]]), ng))
+                p += nd * ng
+            iou = _segm_iou(det, _sorted_gt(gt, sort_g), kd[pair_det], gidx, pair_groups)
+        _greedy_match(iou, with_gt, n_g, kpos, det_group, g_of_kgroup, start_g, count_g, sort_g, gt_ig, gt.crowd,
+                      match_gt)
+
+    # flags per kept detection
+    matched = match_gt >= 0
+    gt_of = sort_g[np.where(matched, match_gt, 0)] if len(sort_g) else np.zeros_like(match_gt)
+    eff = matched & (gt.ann_id[gt_of] != 0) if len(sort_g) else matched  # pycocotools tests dtm (an id) != 0
+    dt_ig = np.zeros((n, T, A), dtype=bool)
+    if len(sort_g):
+        dt_ig = matched & gt_ig[gt_of, np.arange(A)[None, None, :]]
+    dt_ig |= ~eff & _area_out(det.area[kd])[:, None, :]
+    rec = np.zeros(n, dtype=RECORD_DTYPE)
+    rec["score"] = det.score[kd]
+    rec["image"] = det.image[kd]
+    rec["category"] = det.category[kd]
+    rec["position"] = kpos
+    rec["tp"] = np.packbits((eff & ~dt_ig).reshape(n, T * A), axis=1)
+    rec["fp"] = np.packbits((~eff & ~dt_ig).reshape(n, T * A), axis=1)
+    return rec, npig
+
+
+def _sorted_gt(gt: GroundTruthShard, sort_g: np.ndarray) -> GroundTruthShard:
+    return GroundTruthShard(gt.image[sort_g], gt.category[sort_g], gt.box[sort_g], gt.area[sort_g],
+                            gt.crowd[sort_g], gt.ann_id[sort_g], [gt.rle[i] for i in sort_g] if gt.rle else None)
+
+
+def _greedy_match(iou, with_gt, n_g, kpos, det_group, g_of_kgroup, start_g, count_g, sort_g, gt_ig, crowd,
+                  match_gt) -> None:
+    """pycocotools' greedy matching, vectorised over groups x thresholds x area ranges, one step per
+    detection position. Writes ``match_gt[det, t, a]`` (index into ``sort_g`` order, -1 = unmatched)."""
+    groups = np.unique(det_group[with_gt])                             # kept groups that have ground truths
+    n_groups = len(groups)
+    gmax = int(count_g[g_of_kgroup[groups]].max())
+    local = np.full(det_group.max() + 1, -1, dtype=np.int64)
+    local[groups] = np.arange(n_groups)
+    gstart = start_g[g_of_kgroup[groups]]                              # [NG]
+    gcount = count_g[g_of_kgroup[groups]]
+    lane = np.arange(gmax)
+    valid = lane[None, :] < gcount[:, None]                            # [NG, Gmax]
+    gpos = np.where(valid, gstart[:, None] + lane[None, :], 0)         # positions in sort_g
+    g_crowd = crowd[sort_g[gpos]] & valid
+    g_ig = gt_ig[sort_g[gpos]].transpose(0, 2, 1) & valid[:, None, :]  # [NG, A, Gmax]
+    taken = np.zeros((n_groups, T, A, gmax), dtype=bool)
+    # the pair row of each detection: first pair index, by detection
+    pair_first = np.cumsum(n_g) - n_g
+    row_of_det = np.full(len(kpos), -1, dtype=np.int64)
+    row_of_det[with_gt] = pair_first
+    thr = IOU_THRS[None, :, None]
+    for j in range(int(kpos[with_gt].max()) + 1):
+        at_j = with_gt[kpos[with_gt] == j]
+        if at_j.size == 0:
+            break
+        lg = local[det_group[at_j]]
+        rows = row_of_det[at_j][:, None] + lane[None, :]
+        ok = valid[lg]
+        ious = np.where(ok, iou[np.where(ok, rows, 0)], -1.0)         # [n, Gmax]
+        # rank of each gt by (iou, position): the last of the highest IoU ranks highest
+        rank = np.empty_like(rows)
+        rank[np.arange(len(at_j))[:, None], np.argsort(ious, axis=1, kind="stable")] = lane[None, :] + 1
+        cand = (ious[:, None, :] >= thr)[:, :, None, :] & ~(taken[lg] & ~g_crowd[lg][:, None, None, :]) \
+            & ok[:, None, None, :]                                     # [n, T, A, Gmax]
+        ig = g_ig[lg][:, None, :, :]
+        score_nonig = np.where(cand & ~ig, rank[:, None, None, :], 0)
+        score_ig = np.where(cand & ig, rank[:, None, None, :], 0)
+        best_nonig = score_nonig.argmax(-1)
+        has_nonig = np.take_along_axis(score_nonig, best_nonig[..., None], -1)[..., 0] > 0
+        best_ig = score_ig.argmax(-1)
+        has_ig = np.take_along_axis(score_ig, best_ig[..., None], -1)[..., 0] > 0
+        m = np.where(has_nonig, best_nonig, np.where(has_ig, best_ig, -1))   # [n, T, A] lane or -1
+        hit = m >= 0
+        nn, tt, aa = np.nonzero(hit)
+        taken[lg[nn], tt, aa, m[nn, tt, aa]] = True
+        match_gt[at_j] = np.where(hit, gstart[lg][:, None, None] + np.maximum(m, 0), -1)
+
+
+def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int) -> tuple[np.ndarray, np.ndarray]:
+    """pycocotools' accumulate from the records of every image. Returns ``(precision float64 [T, R, K, A, M],
+    recall float64 [T, K, A, M])``, -1 where undefined (no non-ignored ground truth)."""
+    R, K, M = len(REC_THRS), num_categories, len(MAX_DETS)
+    precision = -np.ones((T, R, K, A, M))
+    recall = -np.ones((T, K, A, M))
+    order = np.lexsort((records["position"], records["image"], -records["score"], records["category"]))
+    rec = records[order]
+    cats, starts, counts = _group_starts(rec["category"].astype(np.int64))
+    seg = {int(c): (int(s), int(n)) for c, s, n in zip(cats, starts, counts)}
+    for k in range(K):
+        s, n = seg.get(k, (0, 0))
+        r = rec[s:s + n]
+        tp_all = np.unpackbits(r["tp"], axis=1, count=T * A).reshape(n, T, A).astype(bool)
+        fp_all = np.unpackbits(r["fp"], axis=1, count=T * A).reshape(n, T, A).astype(bool)
+        for m_i, max_det in enumerate(MAX_DETS):
+            sel = r["position"] < max_det
+            scores = r["score"][sel]
+            for a in range(A):
+                if npig[k, a] == 0:
+                    continue
+                tps = tp_all[sel, :, a].T                               # [T, nd]
+                fps = fp_all[sel, :, a].T
+                tp_sum = np.cumsum(tps, axis=1).astype(dtype=float)
+                fp_sum = np.cumsum(fps, axis=1).astype(dtype=float)
+                nd = tps.shape[1]
+                for t in range(T):
+                    tp, fp = tp_sum[t], fp_sum[t]
+                    rc = tp / npig[k, a]
+                    pr = tp / (fp + tp + np.spacing(1))
+                    recall[t, k, a, m_i] = rc[-1] if nd else 0
+                    q = np.zeros(len(REC_THRS))
+                    if nd:
+                        pr = np.maximum.accumulate(pr[::-1])[::-1]
+                        inds = np.searchsorted(rc, REC_THRS, side="left")
+                        ok = inds < nd
+                        q[ok] = pr[inds[ok]]
+                    precision[t, :, k, a, m_i] = q
+    return precision, recall
+
+
+def summarize(precision: np.ndarray, recall: np.ndarray) -> dict[str, float]:
+    """The 12 statistics of COCOeval.summarize (same selections and means; -1 where nothing is defined)."""
+
+    def one(ap: bool, iou_thr=None, area="all", max_dets=100) -> float:
+        aind = [i for i, lbl in enumerate(AREA_LBL) if lbl == area]
+        mind = [i for i, md in enumerate(MAX_DETS) if md == max_dets]
+        if ap:
+            s = precision
+            if iou_thr is not None:
+                s = s[np.where(iou_thr == IOU_THRS)[0]]
+            s = s[:, :, :, aind, mind]
+        else:
+            s = recall
+            if iou_thr is not None:
+                s = s[np.where(iou_thr == IOU_THRS)[0]]
+            s = s[:, :, aind, mind]
+        return -1.0 if len(s[s > -1]) == 0 else float(np.mean(s[s > -1]))
+
+    values = [one(True), one(True, .5), one(True, .75), one(True, area="small"), one(True, area="medium"),
+              one(True, area="large"), one(False, max_dets=1), one(False, max_dets=10), one(False),
+              one(False, area="small"), one(False, area="medium"), one(False, area="large")]
+    return dict(zip(STAT_NAMES, values))
+
+
+def per_category_ap(precision: np.ndarray) -> list[float | None]:
+    """AP@[.5:.95] of each category (area all, maxDets 100), None where the category has no ground truth."""
+    out = []
+    for k in range(precision.shape[2]):
+        s = precision[:, :, k, 0, -1]
+        out.append(float(np.mean(s[s > -1])) if (s > -1).any() else None)
+    return out
