@@ -75,8 +75,9 @@ class ModelConfig:
 class DataConfig:
     """``data.*``: the evaluation dataset.
 
-    name: digits | fashion_mnist | imagefolder. root: dataset directory (fashion_mnist: the idx files;
-    imagefolder: one sub-folder per class). split: which split (digits: the held-out ``test`` split).
+    name: digits | fashion_mnist | imagefolder | coco | coco_replay. root: dataset directory (fashion_mnist:
+    the idx files; imagefolder: one sub-folder per class; coco: the images). annotations: a COCO annotation
+    JSON (coco, coco_replay); predictions: a COCO results JSON (coco_replay). split: which split (digits: the held-out ``test`` split).
     limit: evaluate only the first ``limit`` samples (null = all). resize_size/crop_size/mean/std: the
     ImageNet-style eval transform of imagefolder data (resize short side, center crop, normalise).
     """
@@ -92,6 +93,8 @@ class DataConfig:
     crop_size: int = 224
     mean: List[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    annotations: Optional[str] = None
+    predictions: Optional[str] = None
 
 
 @dataclass
@@ -147,7 +150,9 @@ class DistConfig:
 
 @dataclass
 class EvalConfig:
-    """``eval.*``: metric families and their options. topk: the k of top-k accuracy. ece_bins: equal-width
+    """``eval.*``: metric families and their options (classification, ranking; coco for detection data).
+    iou_type: bbox | segm (coco). save_predictions: each rank also writes its detections as a COCO results
+    file RUN_DIR/ranks/rank{r}/predictions.json. topk: the k of top-k accuracy. ece_bins: equal-width
     confidence bins of the expected calibration error. status_interval_s: seconds between status.json
     updates (and progress refreshes) of a rank."""
 
@@ -157,6 +162,8 @@ class EvalConfig:
     trials: int = 1
     status_interval_s: float = 1.0
     progress: bool = True
+    iou_type: str = "bbox"
+    save_predictions: bool = False
 
 
 @dataclass

@@ -7,6 +7,7 @@ function torch.distributed.elastic starts in each local rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -32,7 +33,9 @@ from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMe
                               check_coverage, raise_if_incomplete)
 from disteval.metrics.base import Metric
 from disteval.models import build_model, resolve_num_classes
-from disteval.records import StatusWriter, rank_dir, read_status
+from disteval.detection import (build_detection_task, collate_images, detector_forward, is_detection,
+                                replay_forward)
+from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
 log.propagate = False
@@ -62,11 +65,15 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                    rank: int, world_size: int, batch_size: int, num_workers: int = 0,
                    device: torch.device | str = "cpu", precision: Any = None,
                    status: StatusWriter | None = None,
-                   on_batch: Callable[[int, int], None] | None = None) -> ShardOutcome:
+                   on_batch: Callable[[int, int], None] | None = None,
+                   collate_fn: Callable | None = None, forward: Callable | None = None) -> ShardOutcome:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``).
 
     No collective is issued here. ``on_batch(batches_done, samples_done)`` is called after each batch
-    (progress display; benchmarks use it to add a naive per-batch collective). Returns a ShardOutcome.
+    (progress display; benchmarks use it to add a naive per-batch collective). ``collate_fn`` / ``forward``:
+    for tasks whose batches are not one tensor (detection: lists of images; ``outputs = forward(model,
+    inputs)`` replaces ``model(inputs.to(device))``, and ``metric.update`` receives the outputs as they are).
+    Returns a ShardOutcome.
     Raises DataError from ``metric.update`` for bad labels or non-finite logits.
     """
     device = torch.device(device)
@@ -74,7 +81,8 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
     # ranks are spawned; spawned loader workers would re-import torch (seconds each): fork them instead
     context = "fork" if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        pin_memory=device.type == "cuda", persistent_workers=False, multiprocessing_context=context)
+                        pin_memory=device.type == "cuda" and forward is None, persistent_workers=False,
+                        multiprocessing_context=context, collate_fn=collate_fn)
     out = ShardOutcome(sampler.start, sampler.end)
     if status:
         status.update(phase="forward", samples_planned=len(sampler))
@@ -82,10 +90,16 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
     try:
         with torch.inference_mode():
             for images, targets, ids in loader:
-                images = images.to(device, non_blocking=True)
-                with prec.autocast(precision, device) if precision is not None else contextlib.nullcontext():
-                    logits = model(images)
-                metric.update(logits.float(), targets, ids)
+                amp = prec.autocast(precision, device) if precision is not None else contextlib.nullcontext()
+                if forward is not None:
+                    with amp:
+                        outputs = forward(model, images)
+                    metric.update(outputs, targets, ids)
+                else:
+                    images = images.to(device, non_blocking=True)
+                    with amp:
+                        logits = model(images)
+                    metric.update(logits.float(), targets, ids)
                 coverage.update(ids)
                 out.samples += int(ids.numel())
                 out.batches += 1
@@ -140,7 +154,8 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     3. one all_gather of the padded int64 payload: this rank's sample-id runs and a small float64 row
        (bit-cast, no pickle).
 
-    By payload kind (``policy``): each gather-state adds one metadata all_gather and one variable-size gather
+    By payload kind (``policy``): each gather-state adds one metadata all_gather and one variable-size gather (to
+    rank 0 only for states declared ``root``, e.g. detection match records)
     (compressed as the policy says); each sliceable sum-state above ``reduce_scatter_min_bytes`` leaves the
     all_reduce for two reduce_scatters (its rows, then the small per-row partials) and one all_gather of the
     per-row results that each rank finished for its slice. ``per_rank_row`` must have the same length on
@@ -163,8 +178,10 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     sizes = synced.pop("payload_sizes").tolist()
     for name in sorted(k for k, (v, red) in states.items() if red == "gather"):
         mode = policy.compression if policy.compress_states is None or name in policy.compress_states else "none"
-        synced[name] = torch.cat(comm.all_gather_variable(states[name][0], compression=mode,
-                                                          compressible=specs[name].compressible, name=name))
+        parts = comm.gather_variable(states[name][0], dst=0 if specs[name].root else None, compression=mode,
+                                     compressible=specs[name].compressible, name=name)
+        if parts is not None:  # None: a root-only state on another rank keeps its local part
+            synced[name] = torch.cat(parts)
     metric.load_synced(synced)
     for name in sliced:
         block, start, stop = comm.reduce_scatter_rows(sums[name])
@@ -207,6 +224,8 @@ def check_sync_policy(metric: Metric, policy: SyncPolicy) -> None:
 def build_metric(cfg: Any, num_classes: int) -> MetricCollection:
     """The metric families of ``eval.metrics`` (classification: sum-states; ranking: AUROC/AP from gathered
     scores) as one collection, synchronised together."""
+    if is_detection(cfg):
+        return MetricCollection({"coco": build_detection_task(cfg)[2]})
     families = {"classification": lambda: ClassificationMetrics(num_classes, topk=list(cfg.eval.topk),
                                                                 ece_bins=cfg.eval.ece_bins),
                 "ranking": lambda: RankingMetrics(num_classes)}
@@ -322,10 +341,21 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             prec.apply_global_switches(cfg.precision, device)
         status.update(phase="data")
         t_load = time.perf_counter()
-        dataset, data_classes = build_dataset(cfg.data)
-        num_classes = resolve_num_classes(cfg.model, data_classes)
-        model = build_model(cfg.model, num_classes, seed=cfg.seed).to(device)
-        metric = build_metric(cfg, num_classes)
+        collate_fn = forward = None
+        if is_detection(cfg):
+            dataset, model, metric, gt = build_detection_task(cfg)
+            num_classes = gt.num_categories
+            if model is None:
+                forward = replay_forward
+            else:
+                model = model.to(device)
+                forward = functools.partial(detector_forward, device=device)
+            collate_fn = collate_images
+        else:
+            dataset, data_classes = build_dataset(cfg.data)
+            num_classes = resolve_num_classes(cfg.model, data_classes)
+            model = build_model(cfg.model, num_classes, seed=cfg.seed).to(device)
+            metric = build_metric(cfg, num_classes)
         coverage = SampleIdCoverage()
         seconds_load = time.perf_counter() - t_load
         progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
@@ -337,7 +367,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                 batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
                 precision=cfg.precision, status=status,
                 on_batch=(lambda b, s: watch.maybe_check()) if watch else
-                (lambda b, s: progress.refresh_from([{"samples_done": s}])))
+                (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward)
             status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
             if watch:
                 watch.wait_all_in_sync()
@@ -349,6 +379,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                       "samples": outcome.samples, "batches": outcome.batches, "seconds_load": seconds_load,
                       "seconds_forward": outcome.seconds_forward}
             row = [float("nan") if fields[k] is None else float(fields[k]) for k in report.ROW_FIELDS]
+            if cfg.eval.get("save_predictions") and hasattr(metric, "predictions"):
+                atomic_write_json(rank_dir(run_dir, rank) / "predictions.json", metric.predictions())
             runs, rows = synchronise(metric, coverage, comm, row, SyncPolicy.from_config(cfg.communication))
             seconds_sync = time.perf_counter() - t_sync
             progress.finish()

@@ -97,6 +97,13 @@ def preflight(cfg: Any) -> int:
     validate_config(cfg)
     if cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
+    from disteval.detection import check_detection_config, is_detection
+
+    if is_detection(cfg):
+        check_detection_config(cfg)
+        return 0
+    if "coco" in cfg.eval.metrics:
+        raise ConfigError("eval.metrics", "the coco family needs detection data (data=coco or data=coco_replay)")
     check_data_root(cfg.data)
     prepare_data(cfg.data)
     data_classes = dataset_num_classes(cfg.data)

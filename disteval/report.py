@@ -138,6 +138,35 @@ def write_results(run_dir: str, results: dict) -> Path:
     return path
 
 
+# COCOeval.summarize's 12 statistics, in its order and wording
+COCO_LABELS = {"AP": "AP @[IoU=0.50:0.95 | area=all | maxDets=100]", "AP50": "AP @[IoU=0.50 | area=all | maxDets=100]",
+               "AP75": "AP @[IoU=0.75 | area=all | maxDets=100]", "APs": "AP @[IoU=0.50:0.95 | area=small | maxDets=100]",
+               "APm": "AP @[IoU=0.50:0.95 | area=medium | maxDets=100]",
+               "APl": "AP @[IoU=0.50:0.95 | area=large | maxDets=100]", "AR1": "AR @[IoU=0.50:0.95 | area=all | maxDets=1]",
+               "AR10": "AR @[IoU=0.50:0.95 | area=all | maxDets=10]",
+               "AR100": "AR @[IoU=0.50:0.95 | area=all | maxDets=100]",
+               "ARs": "AR @[IoU=0.50:0.95 | area=small | maxDets=100]",
+               "ARm": "AR @[IoU=0.50:0.95 | area=medium | maxDets=100]",
+               "ARl": "AR @[IoU=0.50:0.95 | area=large | maxDets=100]"}
+
+
+def _print_per_category(console: Console, per_cat: dict, columns: int = 4) -> None:
+    """Per-category AP@[.5:.95] in a few columns (n/a: no ground truth of that category)."""
+    table = Table(title="per-category AP @[IoU=0.50:0.95 | area=all | maxDets=100]")
+    for _ in range(columns):
+        table.add_column("category")
+        table.add_column("AP", justify="right")
+    items = list(per_cat.items())
+    rows = (len(items) + columns - 1) // columns
+    for r in range(rows):
+        cells = []
+        for c in range(columns):
+            i = c * rows + r
+            cells += [items[i][0], _fmt(items[i][1])] if i < len(items) else ["", ""]
+        table.add_row(*cells)
+    console.print(table)
+
+
 def _fmt(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
@@ -161,6 +190,9 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
     for key, label in labels.items():
         if label and key in m:
             table.add_row(label, _fmt(m[key]))
+    for key, label in COCO_LABELS.items():
+        if key in m:
+            table.add_row(label, _fmt(m[key]))
     t, tp = results["timings"], results["throughput"]["images_per_s"]
     table.add_row("forward throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
     table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
@@ -171,6 +203,8 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
                           f"{c['bytes_before']:,} -> {c['bytes_after']:,} bytes, max error {c['max_abs_error']:.2g} "
                           f"abs / {c['max_rel_error']:.2g} rel")
     console.print(table)
+    if isinstance(m.get("per_category_ap"), dict):
+        _print_per_category(console, m["per_category_ap"])
     present, total = m.get("classes_with_samples"), results["dataset"]["num_classes"]
     if present is not None and present < total:
         console.print(f"[yellow]note:[/] only {present} of {total} classes have samples; macro precision/recall/F1 "

@@ -162,7 +162,8 @@ def imagefolder_classes(root: str) -> list[str]:
 def check_data_root(data: Any) -> None:
     """Preflight: fail before any rank starts when ``data.root`` is missing or empty. Raises ConfigError."""
     if data.name not in DATASETS:
-        raise ConfigError("data.name", f"unknown dataset {data.name!r}; available: {', '.join(DATASETS)}")
+        raise ConfigError("data.name", f"unknown dataset {data.name!r}; available: "
+                          f"{', '.join(DATASETS + ('coco', 'coco_replay'))}")
     splits = {"digits": ("train", "test"), "fashion_mnist": ("train", "test")}.get(data.name)
     if splits and data.split not in splits:
         raise ConfigError("data.split", f"{data.name} has splits {list(splits)}, not {data.split!r}")

@@ -33,6 +33,7 @@ class StateSpec:
     reduction: Reduction
     compressible: bool = False
     sliceable: bool = False
+    root: bool = False
 
 
 class Metric:
@@ -44,10 +45,11 @@ class Metric:
         self._specs: dict[str, StateSpec] = {}
 
     def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum", *,
-                  compressible: bool = False, sliceable: bool = False) -> None:
+                  compressible: bool = False, sliceable: bool = False, root: bool = False) -> None:
         """Declare a state. Sum-states must be int64 or float64 (counts never narrower). Raises TypeError /
         ValueError for a narrower sum-state, a compressible state that is not a float gather-state, or a
-        sliceable state that is not a sum-state with at least one dimension."""
+        sliceable state that is not a sum-state with at least one dimension. ``root=True`` (gather-states):
+        gathered to rank 0 only, the only rank that computes (other ranks keep their local part)."""
         if reduction == "sum" and value.dtype not in (torch.int64, torch.float64):
             raise TypeError(f"sum-state {name!r} must be int64 or float64, got {value.dtype}")
         if compressible and (reduction != "gather" or not value.dtype.is_floating_point):
@@ -56,7 +58,9 @@ class Metric:
             raise ValueError(f"state {name!r}: only sum-states with a row dimension can be declared sliceable")
         self._states[name] = value
         self._reductions[name] = reduction
-        self._specs[name] = StateSpec(reduction, compressible, sliceable)
+        if root and reduction != "gather":
+            raise ValueError(f"state {name!r}: only gather-states can be gathered to the root rank only")
+        self._specs[name] = StateSpec(reduction, compressible, sliceable, root)
 
     def specs(self) -> dict[str, StateSpec]:
         """``{name: StateSpec}`` of every state."""
