@@ -103,3 +103,34 @@ def padding_worker(out_dir: str) -> None:
                 {"top1": metric.compute()["top1"], "coverage_ok": check_coverage(runs, 10).ok}))
     finally:
         destroy_process_group()
+
+
+@record
+def coco_worker(out_dir: str, cases: list[dict]) -> None:
+    """For each case {name, annotations, predictions, iou_type, limit}: this rank matches the images of its
+    exact shard, records are gathered to rank 0 by the engine's synchronise, and rank 0 writes the metrics."""
+    from disteval.data.coco import load_detections, load_ground_truth
+    from disteval.data.sharding import shard_bounds
+    from disteval.metrics.detection import CocoDetectionMetric
+
+    env = RankEnv.from_env()
+    init_process_group("gloo", 120, env)
+    try:
+        comm = Communicator()
+        for case in cases:
+            gt = load_ground_truth(case["annotations"])
+            dets = load_detections(case["predictions"], gt, case["iou_type"])
+            n = min(gt.num_images, case.get("limit") or gt.num_images)
+            start, end = shard_bounds(n, env.world_size, env.rank)
+            images = np.arange(start, end)
+            metric = CocoDetectionMetric(gt, case["iou_type"])
+            metric.add_detections(images, dets.select(images))
+            coverage = SampleIdCoverage()
+            coverage.update(torch.from_numpy(images))
+            runs, _ = synchronise(metric, coverage, comm, [float(len(images))])
+            if env.rank == 0:
+                out = {"metrics": metric.compute(), "coverage_ok": check_coverage(runs, n).ok,
+                       "by_op": dict(comm.by_op)}
+                Path(out_dir, f"{case['name']}.json").write_text(json.dumps(out))
+    finally:
+        destroy_process_group()

@@ -108,7 +108,7 @@ class CocoDetectionMetric(Metric):
         self._pending = []
         rec, npig = match_shard(dets, self.gt.shard(images, self.iou_type), self.gt.num_categories, self.iou_type)
         s = self._states
-        s["records"] = torch.cat([s["records"], torch.from_numpy(rec.view(np.uint8).reshape(len(rec), -1).copy())])
+        s["records"] = torch.cat([s["records"], torch.from_numpy(rec.view(np.uint8).reshape(len(rec), RECORD_DTYPE.itemsize).copy())])
         s["images"] = torch.cat([s["images"], torch.from_numpy(images)])
         s["npig"] = s["npig"] + torch.from_numpy(npig)
 

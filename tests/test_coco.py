@@ -1,0 +1,185 @@
+"""COCO detection mAP: identical to pycocotools (the published values of the real 100-image val2014 files,
+bbox and segm, at W = 1..4 with real ranks; seeded random sets with crowds, empty images, score ties,
+degenerate boxes, many categories and more than 100 detections per image), uneven shards and an empty
+rank, and errors that name the file and the entry."""
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+
+from conftest import SHARED, load_results
+from disteval.data.coco import load_detections, load_ground_truth
+from disteval.errors import DataError
+from disteval.metrics.coco_eval import STAT_NAMES
+from disteval.metrics.detection import CocoDetectionMetric
+
+COCO = SHARED / "data" / "coco" / "fce_cocoapi"
+GT = COCO / "instances_val2014_100.json"
+RESULTS = {"bbox": COCO / "instances_val2014_fakebbox100_results.json",
+           "segm": COCO / "instances_val2014_fakesegm100_results.json"}
+needs_coco = pytest.mark.skipif(not GT.is_file(), reason=f"{COCO} absent (the shared reference data)")
+
+# published in ../shared/data/coco/fce_cocoapi/README.md (pycocotools 2.0.11 and faster-coco-eval 1.8.0)
+PUBLISHED = {
+    "bbox": [0.5045806987249628, 0.6969727247299577, 0.5729816669904824, 0.5856257209410443, 0.5193996948036719,
+             0.5013978986347466, 0.38681277964578054, 0.5936795762842003, 0.595352982877607, 0.6398109626113442,
+             0.5664205978994309, 0.5642905982905982],
+    "segm": [0.3195452758576433, 0.5622883972521636, 0.29892653412086784, 0.3873740315997838, 0.31018272403369485,
+             0.3269339071005138, 0.2682297225711534, 0.41544868114906375, 0.4168394992198818, 0.4694498622754236,
+             0.37675922666197265, 0.3814715099715099],
+}
+
+
+def pycocotools_stats(gt_path, dt_path, iou_type, num_images=None):
+    """The independent reference: pycocotools' COCOeval (optionally on the first num_images image ids)."""
+    from pycocotools.coco import COCO as PyCOCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = PyCOCO(str(gt_path))
+        dt = gt.loadRes(str(dt_path))
+        ev = COCOeval(gt, dt, iou_type)
+        if num_images is not None:
+            ev.params.imgIds = sorted(gt.getImgIds())[:num_images]
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return list(ev.stats), ev
+
+
+def _stats(metrics):
+    return [metrics[k] for k in STAT_NAMES]
+
+
+def shards_in_process(gt_path, dt_path, iou_type, world_size, num_images=None):
+    """Each shard matched by its own metric instance, merged as ranks would be (merge_state)."""
+    gt = load_ground_truth(gt_path)
+    dets = load_detections(dt_path, gt, iou_type)
+    n = num_images or gt.num_images
+    metrics = []
+    for part in np.array_split(np.arange(n), world_size):
+        m = CocoDetectionMetric(gt, iou_type)
+        m.add_detections(part, dets.select(part))
+        metrics.append(m)
+    metrics[0].merge_state(metrics[1:])
+    return metrics[0].compute()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def ranks_outcome(request, tmp_path_factory):
+    """One group of W real ranks runs every case of its W."""
+    from dist_workers import coco_worker
+    from launchers.local import launch
+
+    if not GT.is_file():
+        pytest.skip(f"{COCO} absent (the shared reference data)")
+    w = request.param
+    out = tmp_path_factory.mktemp(f"coco{w}")
+    cases = [{"name": t, "annotations": str(GT), "predictions": str(RESULTS[t]), "iou_type": t} for t in RESULTS]
+    cases += [{"name": "first3", "annotations": str(GT), "predictions": str(RESULTS["bbox"]), "iou_type": "bbox",
+               "limit": 3},  # at W = 4 rank 3 holds no image
+              {"name": "first7", "annotations": str(GT), "predictions": str(RESULTS["bbox"]), "iou_type": "bbox",
+               "limit": 7}]  # uneven shards
+    launch(coco_worker, (str(out), cases), w, str(out))
+    return w, {c["name"]: json.loads((out / f"{c['name']}.json").read_text()) for c in cases}
+
+
+@needs_coco
+def test_published_values_at_every_world_size(ranks_outcome):
+    w, out = ranks_outcome
+    for iou_type, want in PUBLISHED.items():
+        got = _stats(out[iou_type]["metrics"])
+        assert np.abs(np.array(got) - np.array(want)).max() <= 1e-10, (w, iou_type, got)
+        assert out[iou_type]["coverage_ok"] and out[iou_type]["metrics"]["num_images"] == 100
+    assert out["bbox"]["by_op"].get("gather", 0) >= 2  # records and image ids to rank 0, not all_gather
+
+
+@needs_coco
+def test_uneven_shards_and_an_empty_rank(ranks_outcome):
+    w, out = ranks_outcome
+    for name, n in (("first3", 3), ("first7", 7)):
+        want, _ = pycocotools_stats(GT, RESULTS["bbox"], "bbox", num_images=n)
+        assert _stats(out[name]["metrics"]) == want, (w, name)
+        assert out[name]["metrics"]["num_images"] == n
+
+
+@needs_coco
+@pytest.mark.parametrize("iou_type", ["bbox", "segm"])
+def test_per_category_ap_equals_pycocotools(iou_type):
+    _, ev = pycocotools_stats(GT, RESULTS[iou_type], iou_type)
+    got = shards_in_process(GT, RESULTS[iou_type], iou_type, 3)
+    p = ev.eval["precision"][:, :, :, 0, -1]
+    names = [c["name"] for c in ev.cocoGt.loadCats(ev.params.catIds)]
+    for k, name in enumerate(names):
+        s = p[:, :, k]
+        want = float(np.mean(s[s > -1])) if (s > -1).any() else None
+        assert got["per_category_ap"][name] == want, name
+
+
+def test_image_evaluated_twice_is_named(tmp_path):
+    gt_path, dt_path = _tiny_set(tmp_path)
+    gt = load_ground_truth(gt_path)
+    dets = load_detections(dt_path, gt, "bbox")
+    a, b = CocoDetectionMetric(gt), CocoDetectionMetric(gt)
+    a.add_detections(np.array([0, 1]), dets.select(np.array([0, 1])))
+    b.add_detections(np.array([1]), dets.select(np.array([1])))
+    a.merge_state([b])
+    with pytest.raises(DataError, match=r"image ids \[8\] were evaluated more than once"):
+        a.compute()
+
+
+def _tiny_set(tmp_path, dets=None, anns=None):
+    gt = {"images": [{"id": 5, "width": 100, "height": 80}, {"id": 8, "width": 100, "height": 80}],
+          "categories": [{"id": 1, "name": "a"}, {"id": 3, "name": "b"}],
+          "annotations": anns if anns is not None else [
+              {"id": 1, "image_id": 5, "category_id": 1, "bbox": [10, 10, 20, 20], "area": 400, "iscrowd": 0},
+              {"id": 2, "image_id": 8, "category_id": 3, "bbox": [0, 0, 50, 40], "area": 2000, "iscrowd": 0}]}
+    dets = dets if dets is not None else [{"image_id": 5, "category_id": 1, "bbox": [11, 10, 20, 20], "score": .9},
+                                          {"image_id": 8, "category_id": 3, "bbox": [0, 0, 40, 40], "score": .5}]
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    (tmp_path / "dt.json").write_text(json.dumps(dets))
+    return tmp_path / "gt.json", tmp_path / "dt.json"
+
+
+@pytest.mark.parametrize("dets,anns,needle", [
+    ([{"image_id": 99, "category_id": 1, "bbox": [0, 0, 1, 1], "score": .5}], None, "entry 0: image_id 99"),
+    ([{"image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": .5},
+      {"image_id": 5, "category_id": 7, "bbox": [0, 0, 1, 1], "score": .5}], None, "entry 1: category_id 7"),
+    ([{"image_id": 5, "category_id": 1, "bbox": [0, 0, -1, 1], "score": .5}], None, "entry 0: negative box size"),
+    ([{"image_id": 5, "category_id": 1, "score": .5}], None, "entry 0: needs keys"),
+    ([], [{"id": 1, "image_id": 5, "category_id": 1, "bbox": [0, 0, 3, -2]}], "annotation entry 0 (id 1): negative"),
+    ([], [{"id": 1, "image_id": 6, "category_id": 1, "bbox": [0, 0, 3, 2]}], "annotations entry 0: image_id 6"),
+])
+def test_bad_entries_name_file_and_entry(tmp_path, dets, anns, needle):
+    gt_path, dt_path = _tiny_set(tmp_path, dets, anns)
+    with pytest.raises(DataError) as info:
+        load_detections(dt_path, load_ground_truth(gt_path), "bbox")
+    assert needle in str(info.value)
+    assert str(dt_path if anns is None else gt_path) in str(info.value)
+
+
+def test_malformed_json_names_the_file_and_position(tmp_path):
+    gt_path, dt_path = _tiny_set(tmp_path)
+    dt_path.write_text('[{"image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": .5}')
+    with pytest.raises(DataError, match=r"dt.json is not valid JSON: .* line 1 column"):
+        load_detections(dt_path, load_ground_truth(gt_path), "bbox")
+
+
+def test_cli_refuses_bad_predictions_before_ranks(cli, tmp_path):
+    gt_path, dt_path = _tiny_set(tmp_path, [{"image_id": 5, "category_id": 4, "bbox": [0, 0, 1, 1], "score": .5}])
+    proc, run_dir = cli("+experiment=coco_replay", f"data.annotations={gt_path}", f"data.predictions={dt_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert "category_id 4" in proc.stderr and "dt.json" in proc.stderr and not (run_dir / "ranks").exists()
+
+
+@needs_coco
+def test_cli_replay_results_json(cli):
+    proc, run_dir = cli("+experiment=coco_replay", f"data.annotations={GT}", f"data.predictions={RESULTS['segm']}",
+                        "eval.iou_type=segm", "dist.world_size=3")
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    assert np.abs(np.array(_stats(res["metrics"])) - np.array(PUBLISHED["segm"])).max() <= 1e-10
+    assert len(res["metrics"]["per_category_ap"]) == 80 and res["coverage"]["ok"]
+    assert "AP @[IoU=0.50:0.95 | area=all | maxDets=100]" in proc.stdout
