@@ -52,8 +52,8 @@ def run_disteval(gt_path: Path, dt_path: Path, iou_type: str, world_size: int) -
     JSON files, if timed apart), ``summarize_seconds``, ``peak_rss_mib`` (largest peak RSS increase of any
     rank, MiB). Missing optional keys print as "-".
     """
-    # TODO(disteval COCO metric): evaluate with disteval.metrics.coco* on `world_size` ranks (e.g. through
-    # launchers.local.launch) and return the dict described above.
+    # TODO(disteval COCO metric): evaluate with disteval's COCO detection metric on `world_size` ranks (e.g.
+    # through launchers.local.launch, as benchmarks/gather.py does) and return the dict described above.
     raise NotImplementedError("disteval COCO evaluation is not implemented yet")
 
 

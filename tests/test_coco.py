@@ -183,3 +183,46 @@ def test_cli_replay_results_json(cli):
     assert np.abs(np.array(_stats(res["metrics"])) - np.array(PUBLISHED["segm"])).max() <= 1e-10
     assert len(res["metrics"]["per_category_ap"]) == 80 and res["coverage"]["ok"]
     assert "AP @[IoU=0.50:0.95 | area=all | maxDets=100]" in proc.stdout
+
+
+def _generated_images(tmp_path, n=6, seed=0):
+    """n PNG images (64-96 px) with coloured rectangles, and their COCO annotation file."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    root = tmp_path / "images"
+    root.mkdir()
+    images, anns = [], []
+    for i in range(n):
+        w, h = int(rng.integers(64, 97)), int(rng.integers(64, 97))
+        pixels = rng.integers(0, 60, size=(h, w, 3), dtype=np.uint8)
+        for _ in range(int(rng.integers(0, 4))):  # some images have no object
+            x, y = int(rng.integers(0, w - 16)), int(rng.integers(0, h - 16))
+            bw, bh = int(rng.integers(8, w - x + 1)), int(rng.integers(8, h - y + 1))
+            pixels[y:y + bh, x:x + bw] = rng.integers(120, 255, size=3)
+            anns.append({"id": len(anns) + 1, "image_id": 10 + 7 * i, "category_id": int(rng.choice([1, 2, 5])),
+                         "bbox": [x, y, bw, bh], "area": bw * bh, "iscrowd": int(rng.random() < 0.1)})
+        Image.fromarray(pixels).save(root / f"img{i}.png")
+        images.append({"id": 10 + 7 * i, "file_name": f"img{i}.png", "width": w, "height": h})
+    cats = [{"id": c, "name": f"shape{c}"} for c in (1, 2, 5)]
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": anns, "categories": cats}))
+    return root, path
+
+
+def test_live_detector_equals_pycocotools_on_its_own_detections(cli, tmp_path):
+    """A randomly initialised torchvision detector on generated images, W = 2: the statistics equal
+    pycocotools' on the detections the ranks saw (saved with eval.save_predictions)."""
+    root, ann = _generated_images(tmp_path)
+    proc, run_dir = cli("+experiment=coco_fasterrcnn", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
+                        "model.weights=null", "+model.kwargs.min_size=64", "+model.kwargs.max_size=96", f"data.root={root}",
+                        f"data.annotations={ann}", "data.num_workers=0", "data.batch_size=2",
+                        "eval.save_predictions=true", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run_dir)
+    preds = [p for r in range(2) for p in json.loads((run_dir / "ranks" / f"rank{r}" / "predictions.json").read_text())]
+    assert preds, "the random detector produced no detection: the comparison would be empty"
+    (tmp_path / "preds.json").write_text(json.dumps(preds))
+    want, _ = pycocotools_stats(ann, tmp_path / "preds.json", "bbox")
+    assert _stats(res["metrics"]) == want
+    assert res["metrics"]["num_images"] == 6 and res["coverage"]["ok"]
