@@ -136,7 +136,10 @@ def match_shard(det: DetectionShard, gt: GroundTruthShard, num_categories: int,
 
     # detections: per (image, category) by descending score, stable in input order; keep the first 100
     key_d = det.image * num_categories + det.category
-    sort_d = np.lexsort((det.order, -det.score, key_d))
+    # lexsort is stable: equal scores keep the array order, which inside an image is ``det.order``
+    if len(det.order) > 1 and (np.diff(det.order)[np.diff(det.image) == 0] <= 0).any():
+        raise ValueError("detections must be given in their order inside each image (DetectionShard.order)")
+    sort_d = np.lexsort((-det.score, key_d))
     key_sorted = key_d[sort_d]
     groups_d, start_d, count_d = _group_starts(key_sorted)
     position = np.arange(len(sort_d)) - np.repeat(start_d, count_d)
@@ -151,7 +154,9 @@ def match_shard(det: DetectionShard, gt: GroundTruthShard, num_categories: int,
     sort_g = np.argsort(key_g, kind="stable")
     groups_g, start_g, count_g = _group_starts(key_g[sort_g])
 
-    match_gt = np.full((n, T, A), -1, dtype=np.int64)                  # index into sort_g order, or -1
+    det_area_out = _area_out(det.area[kd])                             # [n, A]
+    eff = np.zeros((n, T, A), dtype=bool)                              # matched (to a gt whose id != 0)
+    dt_ig = np.broadcast_to(det_area_out[:, None, :], (n, T, A)).copy()  # unmatched: ignored out of range
     both, gi_d, gi_g = np.intersect1d(np.unique(kkey), groups_g, assume_unique=True, return_indices=True)
     if both.size:
         # detections of groups with ground truths
@@ -176,17 +181,17 @@ def match_shard(det: DetectionShard, gt: GroundTruthShard, num_categories: int,
                 pair_groups.append((p, nd, int(start_g[g_of_kgroup[kg]]), ng))
                 p += nd * ng
             iou = _segm_iou(det, _sorted_gt(gt, sort_g), kd[pair_det], gidx, pair_groups)
-        _greedy_match(iou, with_gt, n_g, kpos, det_group, g_of_kgroup, start_g, count_g, sort_g, gt_ig, gt.crowd,
-                      match_gt)
-
-    # flags per kept detection
-    matched = match_gt >= 0
-    gt_of = sort_g[np.where(matched, match_gt, 0)] if len(sort_g) else np.zeros_like(match_gt)
-    eff = matched & (gt.ann_id[gt_of] != 0) if len(sort_g) else matched  # pycocotools tests dtm (an id) != 0
-    dt_ig = np.zeros((n, T, A), dtype=bool)
-    if len(sort_g):
-        dt_ig = matched & gt_ig[gt_of, np.arange(A)[None, None, :]]
-    dt_ig |= ~eff & _area_out(det.area[kd])[:, None, :]
+        m = _greedy_match(iou, with_gt, n_g, kpos, det_group, gg, start_g, sort_g, gt_ig, gt.crowd)
+        # one byte per ground truth: bit 0 its id is not 0 (pycocotools tests dtm, a gt id, against 0),
+        # bit 1 + a: ignored in area range a
+        code = ((gt.ann_id[sort_g] != 0).astype(np.uint8)
+                | (gt_ig[sort_g].astype(np.uint8) << np.arange(1, A + 1, dtype=np.uint8)).sum(1, dtype=np.uint8))
+        matched = m >= 0                                               # [nw, T, A]
+        c = np.where(matched, code[np.maximum(m, 0)], np.uint8(0))
+        e = (c & 1).astype(bool)
+        eff[with_gt] = e
+        ig_bit = ((c >> np.arange(1, A + 1, dtype=np.uint8)[None, None, :]) & 1).astype(bool)
+        dt_ig[with_gt] = ig_bit | (~e & det_area_out[with_gt][:, None, :])
     rec = np.zeros(n, dtype=RECORD_DTYPE)
     rec["score"] = det.score[kd]
     rec["image"] = det.image[kd]
@@ -202,58 +207,111 @@ def _sorted_gt(gt: GroundTruthShard, sort_g: np.ndarray) -> GroundTruthShard:
                             gt.crowd[sort_g], gt.ann_id[sort_g], [gt.rle[i] for i in sort_g] if gt.rle else None)
 
 
-def _greedy_match(iou, with_gt, n_g, kpos, det_group, g_of_kgroup, start_g, count_g, sort_g, gt_ig, crowd,
-                  match_gt) -> None:
-    """pycocotools' greedy matching, vectorised over groups x thresholds x area ranges, one step per
-    detection position. Writes ``match_gt[det, t, a]`` (index into ``sort_g`` order, -1 = unmatched)."""
-    groups = np.unique(det_group[with_gt])                             # kept groups that have ground truths
+def _greedy_match(iou, with_gt, n_g, kpos, det_group, gg, start_g, sort_g, gt_ig, crowd) -> np.ndarray:
+    """pycocotools' greedy matching for the kept detections ``with_gt`` (those whose image and category have
+    ground truths). Returns int32 [len(with_gt), T, A]: the matched ground truth (position in ``sort_g``
+    order) or -1.
+
+    Groups with one ground truth need no loop: for a non-crowd ground truth the first detection (in score
+    order) with IoU >= t takes it, for a crowd every such detection does. Larger groups go through a loop
+    over detection positions (at most 100), vectorised over groups x thresholds x area ranges, in buckets of
+    similar ground-truth counts so that padding stays small."""
+    nw = len(with_gt)
+    out = np.full((nw, T, A), -1, dtype=np.int32)
+    pair_first = np.cumsum(n_g) - n_g                                  # first pair of each such detection
+    single = n_g == 1
+    if single.any():
+        w1 = np.nonzero(single)[0]
+        ge = iou[pair_first[w1]][:, None] >= IOU_THRS[None, :]         # [n1, T]
+        grp = det_group[with_gt[w1]]
+        cs = np.cumsum(ge, axis=0)
+        new = np.concatenate(([True], grp[1:] != grp[:-1]))            # first detection of its group
+        starts = np.nonzero(new)[0]
+        base = (cs[starts] - ge[starts])                               # count before each group
+        seen = cs - np.repeat(base, np.diff(np.concatenate((starts, [len(w1)]))), axis=0)
+        g_pos = start_g[gg[with_gt[w1]]]
+        hit = ge & ((seen == 1) | crowd[sort_g[g_pos]][:, None])
+        out[w1] = np.where(hit, g_pos[:, None], -1)[:, :, None]
+    multi = np.nonzero(~single)[0]
+    if multi.size:
+        bucket = np.ceil(np.log2(n_g[multi])).astype(np.int64)
+        for b in np.unique(bucket):
+            sel = multi[bucket == b]
+            out[sel] = _greedy_loop(iou, with_gt[sel], n_g[sel], pair_first[sel], kpos, det_group, gg, start_g,
+                                    sort_g, gt_ig, crowd)
+    return out
+
+
+def _greedy_loop(iou, dets, n_g, pair_first, kpos, det_group, gg, start_g, sort_g, gt_ig, crowd) -> np.ndarray:
+    """The loop over detection positions for the detections ``dets`` (whole groups). Returns int32
+    [len(dets), T, A] as ``_greedy_match``."""
+    groups, local_of = np.unique(det_group[dets], return_inverse=True)
     n_groups = len(groups)
-    gmax = int(count_g[g_of_kgroup[groups]].max())
-    local = np.full(det_group.max() + 1, -1, dtype=np.int64)
-    local[groups] = np.arange(n_groups)
-    gstart = start_g[g_of_kgroup[groups]]                              # [NG]
-    gcount = count_g[g_of_kgroup[groups]]
+    gmax = int(n_g.max())
+    gcount = np.zeros(n_groups, dtype=np.int64)
+    gcount[local_of] = n_g
+    gstart = np.zeros(n_groups, dtype=np.int64)
+    gstart[local_of] = start_g[gg[dets]]
     lane = np.arange(gmax)
     valid = lane[None, :] < gcount[:, None]                            # [NG, Gmax]
     gpos = np.where(valid, gstart[:, None] + lane[None, :], 0)         # positions in sort_g
     g_crowd = crowd[sort_g[gpos]] & valid
     g_ig = gt_ig[sort_g[gpos]].transpose(0, 2, 1) & valid[:, None, :]  # [NG, A, Gmax]
     taken = np.zeros((n_groups, T, A, gmax), dtype=bool)
-    # the pair row of each detection: first pair index, by detection
-    pair_first = np.cumsum(n_g) - n_g
-    row_of_det = np.full(len(kpos), -1, dtype=np.int64)
-    row_of_det[with_gt] = pair_first
+    out = np.full((len(dets), T, A), -1, dtype=np.int32)
+    pos = kpos[dets]
     thr = IOU_THRS[None, :, None]
-    for j in range(int(kpos[with_gt].max()) + 1):
-        at_j = with_gt[kpos[with_gt] == j]
+    order = np.argsort(pos, kind="stable")
+    bounds = np.searchsorted(pos[order], np.arange(int(pos.max()) + 2))
+    for j in range(int(pos.max()) + 1):
+        at_j = order[bounds[j]:bounds[j + 1]]                          # rows of dets at position j
         if at_j.size == 0:
-            break
-        lg = local[det_group[at_j]]
-        rows = row_of_det[at_j][:, None] + lane[None, :]
+            continue
+        lg = local_of[at_j]
         ok = valid[lg]
-        ious = np.where(ok, iou[np.where(ok, rows, 0)], -1.0)         # [n, Gmax]
-        # rank of each gt by (iou, position): the last of the highest IoU ranks highest
-        rank = np.empty_like(rows)
+        rows = np.where(ok, pair_first[at_j][:, None] + lane[None, :], 0)
+        ious = np.where(ok, iou[rows], -1.0)                          # [n, Gmax]
+        # rank of each gt by (iou, lane): the last of the highest IoU ranks highest
+        rank = np.empty(rows.shape, dtype=np.int16)
         rank[np.arange(len(at_j))[:, None], np.argsort(ious, axis=1, kind="stable")] = lane[None, :] + 1
         cand = (ious[:, None, :] >= thr)[:, :, None, :] & ~(taken[lg] & ~g_crowd[lg][:, None, None, :]) \
             & ok[:, None, None, :]                                     # [n, T, A, Gmax]
         ig = g_ig[lg][:, None, :, :]
-        score_nonig = np.where(cand & ~ig, rank[:, None, None, :], 0)
-        score_ig = np.where(cand & ig, rank[:, None, None, :], 0)
-        best_nonig = score_nonig.argmax(-1)
-        has_nonig = np.take_along_axis(score_nonig, best_nonig[..., None], -1)[..., 0] > 0
-        best_ig = score_ig.argmax(-1)
-        has_ig = np.take_along_axis(score_ig, best_ig[..., None], -1)[..., 0] > 0
-        m = np.where(has_nonig, best_nonig, np.where(has_ig, best_ig, -1))   # [n, T, A] lane or -1
-        hit = m >= 0
+        r = rank[:, None, None, :]
+        best_nonig = np.where(cand & ~ig, r, 0).max(-1)                # rank of the choice, 0 = none
+        best_ig = np.where(cand & ig, r, 0).max(-1)
+        best = np.where(best_nonig > 0, best_nonig, best_ig)           # [n, T, A]
+        hit = best > 0
+        # lane of the chosen rank
+        m = np.argmax(r == best[..., None], axis=-1)
         nn, tt, aa = np.nonzero(hit)
         taken[lg[nn], tt, aa, m[nn, tt, aa]] = True
-        match_gt[at_j] = np.where(hit, gstart[lg][:, None, None] + np.maximum(m, 0), -1)
+        out[at_j] = np.where(hit, gstart[lg][:, None, None] + m, -1)
+    return out
+
+
+def _first_count_reaching(npig: np.ndarray) -> np.ndarray:
+    """tau int64 [len(npig), R]: the smallest count x >= 0 with x / npig >= REC_THRS[i] in float64 (the
+    division pycocotools uses for recall). x / n is monotone in x, so recall < thr exactly for counts < tau."""
+    n = npig.astype(np.float64)[:, None]
+    tau = np.ceil(REC_THRS[None, :] * n).astype(np.int64)
+    for _ in range(4):  # the float product is off by at most one count; settle it with the exact test
+        low = tau.astype(np.float64) / n < REC_THRS[None, :]
+        tau = tau + low
+        high = (tau > 0) & ((tau - 1).astype(np.float64) / n >= REC_THRS[None, :])
+        tau = tau - high
+    return tau
 
 
 def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int) -> tuple[np.ndarray, np.ndarray]:
     """pycocotools' accumulate from the records of every image. Returns ``(precision float64 [T, R, K, A, M],
-    recall float64 [T, K, A, M])``, -1 where undefined (no non-ignored ground truth)."""
+    recall float64 [T, K, A, M])``, -1 where undefined (no non-ignored ground truth).
+
+    Computed from the true positives only, with the same float operations: recall at a detection is
+    tp/npig, which first reaches a threshold at the tau-th true positive (``_first_count_reaching``);
+    precision tp/(fp+tp+eps) is highest, to the right of any detection, at a true positive (it only rises
+    there), so pycocotools' interpolated precision at recall threshold i is the running maximum from the
+    right, over true positives, taken at the tau_i-th true positive."""
     R, K, M = len(REC_THRS), num_categories, len(MAX_DETS)
     precision = -np.ones((T, R, K, A, M))
     recall = -np.ones((T, K, A, M))
@@ -261,34 +319,41 @@ def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int) -> tu
     rec = records[order]
     cats, starts, counts = _group_starts(rec["category"].astype(np.int64))
     seg = {int(c): (int(s), int(n)) for c, s, n in zip(cats, starts, counts)}
+    eps = np.spacing(1)
     for k in range(K):
         s, n = seg.get(k, (0, 0))
+        areas = np.nonzero(npig[k] > 0)[0]
+        if areas.size == 0:
+            continue
+        rows = T * len(areas)                                          # row = (threshold, area range)
+        tau = np.tile(_first_count_reaching(npig[k, areas]), (T, 1))   # [rows, R]
+        npk = np.tile(npig[k, areas], T).astype(np.float64)           # [rows]
         r = rec[s:s + n]
-        tp_all = np.unpackbits(r["tp"], axis=1, count=T * A).reshape(n, T, A).astype(bool)
-        fp_all = np.unpackbits(r["fp"], axis=1, count=T * A).reshape(n, T, A).astype(bool)
+        # [rows, n] contiguous: nonzero then yields (row, position) pairs in row order, fast
+        tp_all = np.ascontiguousarray(
+            np.unpackbits(r["tp"], axis=1, count=T * A).reshape(n, T, A)[:, :, areas].reshape(n, rows).T)
+        fp_all = np.ascontiguousarray(
+            np.unpackbits(r["fp"], axis=1, count=T * A).reshape(n, T, A)[:, :, areas].reshape(n, rows).T)
         for m_i, max_det in enumerate(MAX_DETS):
             sel = r["position"] < max_det
-            scores = r["score"][sel]
-            for a in range(A):
-                if npig[k, a] == 0:
-                    continue
-                tps = tp_all[sel, :, a].T                               # [T, nd]
-                fps = fp_all[sel, :, a].T
-                tp_sum = np.cumsum(tps, axis=1).astype(dtype=float)
-                fp_sum = np.cumsum(fps, axis=1).astype(dtype=float)
-                nd = tps.shape[1]
-                for t in range(T):
-                    tp, fp = tp_sum[t], fp_sum[t]
-                    rc = tp / npig[k, a]
-                    pr = tp / (fp + tp + np.spacing(1))
-                    recall[t, k, a, m_i] = rc[-1] if nd else 0
-                    q = np.zeros(len(REC_THRS))
-                    if nd:
-                        pr = np.maximum.accumulate(pr[::-1])[::-1]
-                        inds = np.searchsorted(rc, REC_THRS, side="left")
-                        ok = inds < nd
-                        q[ok] = pr[inds[ok]]
-                    precision[t, :, k, a, m_i] = q
+            nd = int(sel.sum())
+            tp_m, fp_m = (tp_all, fp_all) if nd == n else (tp_all[:, sel], fp_all[:, sel])
+            tr, tc = np.nonzero(tp_m)                                  # true positives by (row, position)
+            n_tp = np.bincount(tr, minlength=rows)
+            first_tp = np.cumsum(n_tp) - n_tp
+            count = (np.arange(len(tr)) - first_tp[tr] + 1).astype(np.float64)   # tp at that detection
+            fp = np.cumsum(fp_m, axis=1, dtype=np.int32)[tr, tc].astype(np.float64)  # fp at that detection
+            pr = count / (fp + count + eps)
+            width = int(n_tp.max()) if len(tr) else 0
+            env = np.full((rows, max(width, 1)), -np.inf)
+            env[tr, (count - 1).astype(np.int64)] = pr
+            env = np.maximum.accumulate(env[:, ::-1], axis=1)[:, ::-1]  # running max from the right
+            idx = np.maximum(tau - 1, 0)
+            reach = (tau <= n_tp[:, None]) & (n_tp[:, None] >= 1)
+            q = np.where(reach, env[np.arange(rows)[:, None], np.minimum(idx, env.shape[1] - 1)], 0.0)
+            rc_last = n_tp.astype(np.float64) / npk if nd else np.zeros(rows)
+            recall[:, k, areas, m_i] = rc_last.reshape(T, -1)
+            precision[:, :, k, areas, m_i] = q.reshape(T, len(areas), R).transpose(0, 2, 1)
     return precision, recall
 
 
