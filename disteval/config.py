@@ -139,13 +139,15 @@ class CommunicationConfig:
 @dataclass
 class DistConfig:
     """``dist.*``: how many ranks and how they come to exist (``launcher: local`` = torch.distributed.elastic
-    on this machine). master_port 0 = a free port chosen by the rendezvous."""
+    on this machine). master_port 0 = a free port chosen by the rendezvous. ranks_per_node: under the
+    submitit launchers, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node)."""
 
     world_size: int = 2
     launcher: str = "local"
     device: Device = Device.auto
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    ranks_per_node: Optional[int] = None
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""``python -m disteval [overrides]``: compose the config with Hydra, validate, preflight, launch the ranks.
+
+Exit codes: 0 success; 1 the evaluation failed (a rank's error, named); 2 bad configuration or input found
+before any rank started; 130 interrupted (SIGINT/SIGTERM), all ranks stopped. Under an external ``torchrun`` (env:// variables present) this process runs as
+that rank instead of spawning ranks.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.markup import escape
+
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from disteval.comm.profiles import apply_profile
+from disteval.config import DistevalConfig, conf_dir, register_schemas
+from disteval.errors import ConfigError, DistevalError, RankFailedError, RunInterrupted
+from disteval.records import archive_previous_records
+
+register_schemas()
+_err = Console(stderr=True)
+log = logging.getLogger("disteval")
+
+
+def job_container(cfg: DictConfig) -> dict:
+    """The resolved job config as a plain dict (enums as strings) plus ``experiment_name``.
+
+    Re-validated against the schema: Hydra lets ``+data.limt=5`` append a key that the schema lacks, which
+    would otherwise be ignored silently. Raises ConfigError naming the key."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    try:
+        OmegaConf.merge(OmegaConf.structured(DistevalConfig), container)
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(getattr(exc, "full_key", None) or "config",
+                          f"{str(exc).splitlines()[0]} (not in disteval's schema; see --cfg job)") from None
+    try:
+        choice = HydraConfig.get().runtime.choices.get("experiment")
+    except ValueError:
+        choice = None
+    container["experiment_name"] = choice or "default"
+    try:
+        explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    except ValueError:
+        explicit = set()
+    container["communication_profile"] = apply_profile(container, explicit)
+    return container
+
+
+def run(cfg: DictConfig) -> int:
+    """Run one job from a composed config. Returns the process exit code."""
+    from disteval.comm import RankEnv, external_launch_detected
+    from disteval.engine import run_rank
+    from disteval.preflight import preflight
+    from launchers.local import launch_local
+
+    hc = HydraConfig.get()
+    launcher = str(hc.runtime.choices.get("hydra/launcher") or "")
+    if launcher.startswith("submitit") and hc.mode == RunMode.RUN:
+        _err.print(f"[bold red]disteval: configuration error[/] hydra/launcher={launcher} submits jobs only in "
+                   f"multirun mode: add -m (python -m disteval -m hydra/launcher={launcher} ...); without -m the "
+                   "job would run on this machine instead", soft_wrap=True, highlight=False)
+        return 2
+    run_dir = hc.runtime.output_dir
+    external = external_launch_detected()
+    try:
+        container = job_container(cfg)
+        job = OmegaConf.create(container)
+        preflight(job)
+        if not external:
+            archive_previous_records(run_dir)
+    except DistevalError as exc:
+        _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    try:
+        if external:
+            env = RankEnv.from_env()
+            if env.world_size != cfg.dist.world_size and env.rank == 0:
+                log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
+                            env.world_size, cfg.dist.world_size)
+            try:
+                run_rank(job, run_dir, env, agree_run_dir=True)
+            except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
+                raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
+        elif cfg.dist.world_size == 1:
+            run_rank(job, run_dir, None)
+        else:
+            launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
+    except RunInterrupted as exc:
+        _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 130
+    except RankFailedError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
+        _err.print(f"traceback and progress: {run_dir}/ranks/{where}/status.json; log: "
+                   f"{run_dir}/ranks/{where}/log.txt", soft_wrap=True, highlight=False)
+        return 1
+    except DistevalError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 1
+    return 0
+
+
+_composed = False
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    global _composed
+    _composed = True
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    import warnings
+
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.disteval_launchers import LocalLauncher, SlurmLauncher
+    from launchers.submitit import SCHEMA_WARNING
+
+    warnings.filterwarnings("ignore", message=SCHEMA_WARNING)
+    for launcher in (SlurmLauncher, LocalLauncher):  # Hydra's scan misses them under an editable install
+        Plugins.instance().register(launcher)
+    _main()
+
+
+def _main() -> None:
+    """Console-script entry point (``disteval``), same as ``python -m disteval``. A config that Hydra cannot
+    compose (unknown key, wrong type, unknown group option; Hydra exits 1 after printing the error naming the
+    key) exits 2 like every other configuration error."""
+    try:
+        _hydra_main()
+    except SystemExit as exc:
+        if exc.code == 1 and not _composed:
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

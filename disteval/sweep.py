@@ -1,0 +1,114 @@
+"""The end of a multirun: one row per job (world size, status, throughput, wall time, main metric) from the
+jobs' results.json / status records, written as SWEEP_DIR/summary.csv and summary.png (matplotlib) and
+printed as a table. A metric that differs across world sizes is flagged: for an exact evaluation it must not.
+
+Registered as a Hydra callback in conf/config.yaml (``hydra.callbacks.sweep_summary``); ``summarize_sweep``
+can also be called on any sweep directory.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+MAIN_METRICS = ("top1", "AP", "auroc_macro")  # the first one present is the job's main metric
+COLUMNS = ("job", "world_size", "status", "main_metric", "value", "images_per_s", "wall_s", "error", "run_dir")
+
+
+def _job_row(run_dir: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"job": run_dir.name, "run_dir": str(run_dir)}
+    results = run_dir / "results.json"
+    if results.is_file():
+        res = json.loads(results.read_text())
+        name = next((k for k in MAIN_METRICS if k in res["metrics"]), None)
+        row.update(world_size=res["world_size"], status="completed", main_metric=name,
+                   value=res["metrics"].get(name) if name else None,
+                   images_per_s=res["throughput"]["images_per_s"], wall_s=res["timings"]["total"], error="")
+        return row
+    row["status"] = "failed"
+    job = run_dir / "job.json"
+    if job.is_file():
+        rec = json.loads(job.read_text())
+        row.update(status=str(rec.get("state", "FAILED")).lower(), error=rec.get("error", ""))
+    statuses = sorted(run_dir.glob("ranks/rank*/status.json"))
+    for path in statuses:
+        s = json.loads(path.read_text())
+        row.setdefault("world_size", s.get("world_size"))
+        if s.get("phase") == "failed" and not row.get("error"):
+            err = s.get("error") or {}
+            row["error"] = f"rank {s.get('rank')}: {err.get('type')}: {err.get('message')}"
+    return row
+
+
+def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]:
+    """Collect every job of ``sweep_dir`` (its numbered sub-folders), write summary.csv and summary.png,
+    print a table, and return the rows (sorted by world size then job). Differences of a main metric across
+    the completed jobs are flagged in the table and in each row's ``flag``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    sweep_dir = Path(sweep_dir)
+    jobs = [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()] if sweep_dir.is_dir() else []
+    rows = sorted((_job_row(d) for d in jobs), key=lambda r: (r.get("world_size") or 0, int(r["job"])))
+    by_metric: dict[str, set] = {}
+    for r in rows:
+        if r["status"] == "completed" and r.get("main_metric"):
+            by_metric.setdefault(r["main_metric"], set()).add(r["value"])
+    for r in rows:
+        r["flag"] = "differs across world sizes" if len(by_metric.get(r.get("main_metric"), ())) > 1 else ""
+    if not rows:
+        return rows
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "flag"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, sweep_dir / "summary.png")
+    table = Table(title=f"sweep summary: {sweep_dir}")
+    for col in ("job", "world size", "status", "metric", "images/s", "wall s", "note"):
+        table.add_column(col, justify="right" if col not in ("status", "note") else "left")
+    for r in rows:
+        value = "" if r.get("value") is None else f"{r['main_metric']} {r['value']:.6f}"
+        ips = "" if r.get("images_per_s") is None else f"{r['images_per_s']:,.0f}"
+        wall = "" if r.get("wall_s") is None else f"{r['wall_s']:.2f}"
+        note = r["flag"] or r.get("error", "")
+        style = "red" if r["status"] != "completed" or r["flag"] else None
+        table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, ips, wall, note, style=style)
+    (console or Console()).print(table)
+    return rows
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] == "completed"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, label in zip(axes, ("images_per_s", "wall_s", "value"), ("throughput (images/s)", "wall time (s)",
+                                                                          "main metric")):
+        xs = [r["world_size"] for r in done]
+        ys = [r[key] for r in done]
+        ax.plot(xs, ys, "o-")
+        ax.set_xlabel("world size")
+        ax.set_title(label)
+        failed = [r["world_size"] for r in rows if r["status"] != "completed" and r.get("world_size")]
+        for x in failed:
+            ax.axvline(x, color="red", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+class SweepSummary(Callback):
+    """Hydra callback: ``summarize_sweep(hydra.sweep.dir)`` when a multirun ends (also after failures)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            summarize_sweep(str(config.hydra.sweep.dir))
+        except Exception as exc:  # noqa: BLE001 - a summary problem must not hide the jobs' own outcome
+            print(f"disteval: could not write the sweep summary: {type(exc).__name__}: {exc}")

@@ -1,0 +1,14 @@
+"""Hydra plugin registration for disteval's submitit launchers (Hydra instantiates launchers only from the
+``hydra_plugins`` package). The logic lives in ``launchers/submitit.py``; the configs are
+``conf/hydra/launcher/submitit_slurm.yaml`` and ``submitit_local.yaml`` (found before the stock
+hydra-submitit-launcher entries of the same names, because conf/ precedes structured configs in Hydra's
+search path)."""
+from launchers.submitit import DistevalSubmititLauncher
+
+
+class SlurmLauncher(DistevalSubmititLauncher):
+    _EXECUTOR = "slurm"
+
+
+class LocalLauncher(DistevalSubmititLauncher):
+    _EXECUTOR = "local"

@@ -1,0 +1,166 @@
+"""SLURM (and local) job launching through submitit, for Hydra multiruns: one submitit task per rank.
+
+Extends hydra-submitit-launcher 1.2.0 (same option names: partition, account, qos, nodes, gpus_per_node,
+cpus_per_task, mem_gb, timeout_min, signal_delay_s, max_num_timeout, setup, additional_parameters,
+array_parallelism, ...) where it falls short for evaluation jobs:
+
+- **Per-job world size.** The stock launcher resolves ``hydra.launcher.*`` once per sweep, so
+  ``-m dist.world_size=1,2,4`` ran every job at the same size. Here each job's own ``dist.world_size`` sets
+  its ``nodes`` and ``tasks_per_node`` (ranks per node = the job's ``dist.ranks_per_node``, else the
+  launcher's ``gpus_per_node``, else all ranks on one node), and jobs are submitted in groups of equal shape.
+- **Ranks.** Every task exports its rank environment with submitit's ``TorchDistributedEnvironment``
+  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), then runs ``python -m disteval``'s task as that
+  rank (the external-launcher path).
+- **Truthful failures.** A job is failed when any task failed; its error is the culprit rank's own error
+  from the per-rank status records (``launchers.culprit``), not a peer's "connection closed". Cancelled
+  and timed-out jobs are reported as such (from sacct's state). Hydra's sweeper then raises it, the driver
+  exits non-zero, and the sweep summary marks the job.
+- ``max_num_timeout`` defaults to 2 for evaluation jobs (requeued on timeout or preemption).
+
+The classes Hydra instantiates live in ``hydra_plugins/disteval_launchers`` (Hydra accepts plugins only
+from that package); the configs are conf/hydra/launcher/submitit_{slurm,local}.yaml.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from omegaconf import OmegaConf
+
+from launchers.culprit import find_culprit
+
+log = logging.getLogger(__name__)
+
+# the config files share their names with hydra-submitit-launcher's schemas, which validate them (same keys)
+SCHEMA_WARNING = "(?s).*is validated against ConfigStore schema with the same name"
+
+
+class JobFailed(Exception):
+    """A submitted job failed, was cancelled or timed out; the message names the job and the culprit."""
+
+
+def job_shape(world_size: int, ranks_per_node: int | None, gpus_per_node: int | None) -> tuple[int, int]:
+    """``(nodes, tasks_per_node)`` for ``world_size`` ranks. Raises ValueError when the ranks do not fill
+    whole nodes."""
+    if world_size < 1:
+        raise ValueError(f"dist.world_size must be >= 1, got {world_size}")
+    per_node = ranks_per_node or gpus_per_node or world_size
+    per_node = min(per_node, world_size)
+    if world_size % per_node:
+        raise ValueError(f"dist.world_size={world_size} is not a multiple of {per_node} ranks per node "
+                         "(dist.ranks_per_node / hydra.launcher.gpus_per_node)")
+    return world_size // per_node, per_node
+
+
+class DistevalSubmititLauncher(BaseSubmititLauncher):
+    """See the module docstring. ``_EXECUTOR`` is ``slurm`` or ``local`` in the subclasses."""
+
+    def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> JobReturn:
+        import warnings
+
+        import submitit
+
+        warnings.filterwarnings("ignore", message=SCHEMA_WARNING)
+        env = submitit.helpers.TorchDistributedEnvironment()
+        env.export(set_cuda_visible_devices=False)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+        os.environ["TORCHELASTIC_RUN_ID"] = f"slurm-{submitit.JobEnvironment().job_id}"
+        return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
+
+    def _executor(self, nodes: int, tasks_per_node: int):
+        import submitit
+
+        params = dict(self.params)
+        init = {"folder": params.pop("submitit_folder")}
+        if "max_num_timeout" in params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params.pop("max_num_timeout")
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        params.update(nodes=nodes, tasks_per_node=tasks_per_node)
+        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None and self.hydra_context is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        groups: dict[tuple[int, int], list[int]] = {}
+        configs = []
+        for i, overrides in enumerate(job_overrides):
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            configs.append(cfg)
+            shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
+                              self.params.get("gpus_per_node"))
+            groups.setdefault(shape, []).append(i)
+        jobs: dict[int, Any] = {}
+        for (nodes, per_node), members in groups.items():
+            executor = self._executor(nodes, per_node)
+            args = []
+            for i in members:
+                idx = initial_job_idx + i
+                log.info("\t#%d : %s (%d node(s) x %d rank(s))", idx, " ".join(filter_overrides(job_overrides[i])),
+                         nodes, per_node)
+                args.append((list(job_overrides[i]), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                             Singleton.get_state()))
+            for i, job in zip(members, executor.map_array(self, *zip(*args))):
+                jobs[i] = job
+        return [self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
+
+    def _outcome(self, job, cfg, idx: int) -> JobReturn:
+        """Wait for ``job``; a JobReturn that is COMPLETED only when every task completed."""
+        try:
+            return job.results()[0]
+        except Exception as exc:  # noqa: BLE001 - submitit raises several kinds; the state says which
+            state = _final_state(job)
+            run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+            world = int(cfg.dist.world_size)
+            if state in ("CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"):
+                msg = f"SLURM job {job.job_id} (#{idx}, dist.world_size={world}) ended {state}"
+            else:
+                culprit = find_culprit(str(run_dir), world, {}) if (run_dir / "ranks").is_dir() else None
+                cause = culprit.message if culprit is not None else f"{type(exc).__name__}: {exc}".splitlines()[0]
+                msg = f"SLURM job {job.job_id} (#{idx}, dist.world_size={world}) failed ({state}): {cause}"
+            log.error(msg)
+            ret = JobReturn()
+            ret.overrides = list(cfg.hydra.overrides.task)
+            ret.working_dir = str(run_dir)
+            ret.status = JobStatus.FAILED
+            ret._return_value = JobFailed(msg)
+            _write_job_record(run_dir, job.job_id, state, msg)
+            return ret
+
+
+def _final_state(job) -> str:
+    """The job's final state from sacct (waits briefly for accounting to catch up)."""
+    import time
+
+    state = "UNKNOWN"
+    for _ in range(20):
+        try:
+            state = str(job.state).split()[0]
+        except Exception:  # noqa: BLE001
+            state = "UNKNOWN"
+        if state not in ("UNKNOWN", "RUNNING", "PENDING", "COMPLETING", "REQUEUED"):
+            break
+        time.sleep(0.5)
+    return state
+
+
+def _write_job_record(run_dir: Path, job_id: str, state: str, message: str) -> None:
+    """RUN_DIR/job.json with the scheduler's view of a failed job (read by the sweep summary)."""
+    from disteval.records import atomic_write_json
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / "job.json", {"job_id": job_id, "state": state, "error": message})
+    except OSError:
+        pass
+
+
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "job_shape"]
