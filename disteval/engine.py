@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from disteval import precision as prec
 from disteval.comm import (Communicator, RankEnv, destroy_process_group, init_process_group, resolve_backend,
                            resolve_device)
-from disteval.data import ExactShardSampler, build_dataset
+from disteval.data import ExactShardSampler, build_dataset, shard_bounds
 from disteval.errors import DistevalError
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
                               check_coverage, raise_if_incomplete)
@@ -36,6 +36,7 @@ from disteval.models import build_model, resolve_num_classes
 from disteval.detection import (build_detection_task, collate_images, detector_forward, is_detection,
                                 replay_forward)
 from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status
+from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
 log.propagate = False
@@ -66,26 +67,31 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                    device: torch.device | str = "cpu", precision: Any = None,
                    status: StatusWriter | None = None,
                    on_batch: Callable[[int, int], None] | None = None,
-                   collate_fn: Callable | None = None, forward: Callable | None = None) -> ShardOutcome:
+                   collate_fn: Callable | None = None, forward: Callable | None = None,
+                   skip: int = 0, guard: Any = None) -> ShardOutcome:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``).
 
     No collective is issued here. ``on_batch(batches_done, samples_done)`` is called after each batch
     (progress display; benchmarks use it to add a naive per-batch collective). ``collate_fn`` / ``forward``:
     for tasks whose batches are not one tensor (detection: lists of images; ``outputs = forward(model,
     inputs)`` replaces ``model(inputs.to(device))``, and ``metric.update`` receives the outputs as they are).
-    Returns a ShardOutcome.
+    ``skip``: samples of the shard already counted in ``metric`` / ``coverage`` (resumed from a checkpoint);
+    ``guard``: a ``disteval.resume.PreemptionGuard`` whose checkpoint signal waits for whole batches.
+    Returns a ShardOutcome (``samples`` includes the skipped ones).
     Raises DataError from ``metric.update`` for bad labels or non-finite logits.
     """
     device = torch.device(device)
-    sampler = ExactShardSampler(len(dataset), world_size, rank)
+    sampler = ExactShardSampler(len(dataset), world_size, rank, skip=skip)
     # ranks are spawned; spawned loader workers would re-import torch (seconds each): fork them instead
     context = "fork" if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         pin_memory=device.type == "cuda" and forward is None, persistent_workers=False,
                         multiprocessing_context=context, collate_fn=collate_fn)
-    out = ShardOutcome(sampler.start, sampler.end)
+    out = ShardOutcome(sampler.start, sampler.end, samples=skip)
+    if guard is not None:
+        guard.samples_done = skip
     if status:
-        status.update(phase="forward", samples_planned=len(sampler))
+        status.update(phase="forward", samples_planned=sampler.end - sampler.start, samples_done=skip)
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -94,14 +100,16 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                 if forward is not None:
                     with amp:
                         outputs = forward(model, images)
-                    metric.update(outputs, targets, ids)
                 else:
-                    images = images.to(device, non_blocking=True)
                     with amp:
-                        logits = model(images)
-                    metric.update(logits.float(), targets, ids)
-                coverage.update(ids)
-                out.samples += int(ids.numel())
+                        outputs = model(images.to(device, non_blocking=True))
+                    outputs = outputs.float()
+                with guard.batch() if guard is not None else contextlib.nullcontext():  # whole batches only
+                    metric.update(outputs, targets, ids)
+                    coverage.update(ids)
+                    out.samples += int(ids.numel())
+                    if guard is not None:
+                        guard.samples_done = out.samples
                 out.batches += 1
                 if status:
                     status.update(samples_done=out.samples, batches_done=out.batches)
@@ -361,13 +369,27 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
         watch = PeerWatch(run_dir, world_size, float(cfg.communication.timeout_s), progress,
                           started=status.record["t_start"]) if rank == 0 and world_size > 1 else None
-        with progress:
+        # preemption: resume from this rank's checkpoint, and write one when SLURM signals the job
+        ckpt_path = rank_dir(run_dir, rank) / CHECKPOINT
+        start, end = shard_bounds(len(dataset), world_size, rank)
+        key = {"config": report.config_digest(cfg), "world_size": world_size, "rank": rank, "shard": [start, end]}
+        ckpt = load_checkpoint(ckpt_path, key)
+        skip = 0
+        if ckpt is not None:
+            metric.load_synced(ckpt["states"])
+            coverage.update_runs(ckpt["runs"])
+            skip = int(ckpt["samples_done"])
+            log.info("resuming from %s: %d of %d samples already counted", ckpt_path, skip, end - start)
+        guard = PreemptionGuard(lambda: save_checkpoint(ckpt_path, {k: v for k, (v, _) in metric.states().items()},
+                                                        coverage.runs(), guard.samples_done, key))
+        with progress, guard:
             outcome = evaluate_shard(
                 model, dataset, metric, coverage, rank=rank, world_size=world_size,
                 batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
                 precision=cfg.precision, status=status,
                 on_batch=(lambda b, s: watch.maybe_check()) if watch else
-                (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward)
+                (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward,
+                skip=skip, guard=guard)
             status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
             if watch:
                 watch.wait_all_in_sync()
@@ -396,6 +418,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             report.write_results(run_dir, results)
             report.print_metrics(results)
         status.update(phase="done", force=True)
+        ckpt_path.unlink(missing_ok=True)
         return results
     except BaseException as exc:
         status.fail(exc)

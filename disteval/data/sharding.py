@@ -32,11 +32,14 @@ class ExactShardSampler(Sampler[int]):
     any, so per-rank batch counts may differ; disteval therefore never issues a per-batch collective.
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int):
+    def __init__(self, num_samples: int, world_size: int, rank: int, skip: int = 0):
         self.start, self.end = shard_bounds(num_samples, world_size, rank)
+        if not 0 <= skip <= self.end - self.start:
+            raise ValueError(f"skip={skip} outside the shard of {self.end - self.start} samples")
+        self.skip = skip  # samples of the shard already counted (resumed from a checkpoint)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.end))
+        return iter(range(self.start + self.skip, self.end))
 
     def __len__(self) -> int:
-        return self.end - self.start
+        return self.end - self.start - self.skip

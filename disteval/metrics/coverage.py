@@ -53,6 +53,11 @@ class SampleIdCoverage:
             if len(self._runs) > 256:  # keep memory bounded for long shards
                 self._runs = [merge_runs(np.concatenate(self._runs))]
 
+    def update_runs(self, runs: torch.Tensor) -> None:
+        """Add ids given as runs int64 [k, 2] of [start, end) (a checkpoint's coverage)."""
+        if runs.numel():
+            self._runs.append(runs.cpu().numpy().astype(np.int64).reshape(-1, 2))
+
     def runs(self) -> torch.Tensor:
         if not self._runs:
             return torch.zeros((0, 2), dtype=torch.int64)

@@ -1,0 +1,102 @@
+"""Preemption-safe evaluation: when SLURM signals a job (submitit's checkpoint signal, USR2 by default,
+sent before a timeout or on preemption), every rank saves its metric states, its sample-id coverage and how
+many samples of its shard it has counted, atomically, to RUN_DIR/ranks/rank{r}/checkpoint.pt; the requeued
+job loads them and continues after the last counted sample, so the final result equals an uninterrupted
+run exactly (states are sums and concatenations of whole batches).
+
+The signal is blocked while a batch is being added to the metric (``PreemptionGuard.batch``), so a
+checkpoint always holds whole batches. A checkpoint is used only when its key (config digest, world size,
+rank and shard) matches; it is deleted when the rank finishes.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("disteval.rank")
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, states: dict[str, torch.Tensor], runs: torch.Tensor, samples_done: int,
+                    key: dict) -> None:
+    """Write the checkpoint atomically (temporary file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp_checkpoint_", suffix=".pt")
+    os.close(fd)
+    try:
+        torch.save({"key": key, "samples_done": int(samples_done), "runs": runs.clone(),
+                    "states": {k: v.detach().cpu().clone() for k, v in states.items()}}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_checkpoint(path: Path, key: dict) -> dict | None:
+    """The checkpoint at ``path`` when it exists and its key equals ``key`` (else None, logged); loaded
+    with ``torch.load(weights_only=True)``."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a torn or foreign file: start over
+        log.warning("ignoring unreadable checkpoint %s: %s", path, exc)
+        return None
+    if ckpt.get("key") != key:
+        log.warning("ignoring checkpoint %s written for another job (%s != %s)", path, ckpt.get("key"), key)
+        return None
+    return ckpt
+
+
+class PreemptionGuard:
+    """Saves a checkpoint when the checkpoint signal arrives, then hands the signal to the previous handler
+    (submitit's, which requeues the job on rank 0). Active only inside a SLURM job (SLURM_JOB_ID set).
+
+    ``save`` is called with no argument and must write the checkpoint of the current, consistent state."""
+
+    def __init__(self, save: Callable[[], None]):
+        self.save = save
+        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+        self.signum = getattr(signal, f"SIG{name}", signal.SIGUSR2)
+        self.active = "SLURM_JOB_ID" in os.environ
+        self._previous: Any = None
+        self.saved = False
+
+    def __enter__(self) -> "PreemptionGuard":
+        if self.active:
+            self._previous = signal.signal(self.signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
+
+    def _handle(self, signum, frame) -> None:
+        try:
+            self.save()
+            self.saved = True
+            log.warning("signal %s: checkpoint saved; the requeued job resumes from it", signal.Signals(signum).name)
+        except Exception:  # noqa: BLE001 - never lose the requeue because of the checkpoint
+            log.exception("could not save the checkpoint")
+        if callable(self._previous):
+            self._previous(signum, frame)
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Block the signal while a batch is added to the metric state (it is delivered right after)."""
+        if not self.active:
+            yield
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {self.signum})

@@ -1,0 +1,155 @@
+"""Real SLURM jobs through `python -m disteval -m hydra/launcher=submitit_slurm`, on the single-node cluster
+that scripts/slurm/start_cluster.sh starts (.ci/run starts it): a sweep over world sizes 1 and 2 (each job at
+its own size, metrics equal to the local run, summary written), a failing rank reported as failed with its
+own error, a job cancelled with scancel reported as cancelled, and the launcher refusing to run without -m.
+Skipped with a reason when no cluster answers (CI counts a skip as a failure)."""
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import load_results
+
+pytestmark = pytest.mark.slurm
+
+
+def _cluster_up() -> str | None:
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return "no SLURM binaries (scripts/slurm/start_cluster.sh installs and starts a local cluster)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0 or not any(s in out.stdout for s in ("idle", "mixed", "allocated")):
+        return f"no SLURM node is up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run scripts/slurm/start_cluster.sh"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    reason = _cluster_up()
+    if reason:
+        pytest.skip(reason)
+
+
+def _disteval(*args, cwd, timeout=600, wait=True):
+    cmd = [sys.executable, "-m", "disteval", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
+           *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160")
+    if not wait:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    proc = _disteval("dist.world_size=1,2", f"hydra.sweep.dir={tmp / 'sweep'}", cwd=tmp)
+    return proc, tmp / "sweep"
+
+
+def test_sweep_jobs_run_at_their_own_world_size_and_equal_the_local_run(sweep, cli):
+    proc, sweep_dir = sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    local_proc, local_dir = cli("dist.world_size=2")
+    assert local_proc.returncode == 0
+    local = load_results(local_dir)
+    for job, world in (("0", 1), ("1", 2)):
+        res = load_results(sweep_dir / job)
+        assert res["world_size"] == world and len(res["per_rank"]) == world
+        assert res["coverage"]["ok"]
+        assert res["metrics"] == local["metrics"] if world == 2 else res["metrics"]["top1"] == local["metrics"]["top1"]
+    hosts = {p["host"] for p in load_results(sweep_dir / "1")["per_rank"]}
+    assert len(hosts) == 1  # both ranks of the 2-rank job on the one node, as 2 SLURM tasks
+
+
+def test_sweep_summary(sweep):
+    proc, sweep_dir = sweep
+    rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
+    assert [(r["world_size"], r["status"]) for r in rows] == [("1", "completed"), ("2", "completed")]
+    assert len({r["value"] for r in rows}) == 1 and not any(r["flag"] for r in rows)
+    assert (sweep_dir / "summary.png").stat().st_size > 0
+    assert "sweep summary" in proc.stdout
+
+
+def test_failing_rank_is_reported_with_its_own_error(slurm, tmp_path):
+    from test_cli import _fake_fashion
+
+    _fake_fashion(tmp_path / "fm", [0, 1, 2, 3, 4, 5, 6, 7, 12, 9])
+    proc = _disteval("+experiment=fashion_mnist", f"data.root={tmp_path / 'fm'}", "dist.world_size=2",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "failed" in text and "rank 1" in text and "label 12 outside [0, 10)" in text, text[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "summary.csv")))
+    assert rows[0]["status"] != "completed" and "label 12" in rows[0]["error"]
+
+
+def test_cancelled_job_is_reported_as_cancelled(slurm, tmp_path):
+    driver = _disteval("+experiment=fashion_mnist", "data.batch_size=1", "dist.world_size=1",
+                       f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, wait=False)
+    status = tmp_path / "sweep" / "0" / "ranks" / "rank0" / "status.json"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if json.loads(status.read_text())["phase"] == "forward":
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    else:
+        driver.kill()
+        pytest.fail("the job never started evaluating")
+    job_id = _job_id(tmp_path / "sweep")
+    subprocess.run(["scancel", str(job_id)], check=True)
+    out, err = driver.communicate(timeout=240)
+    text = " ".join((out + err).split())
+    assert driver.returncode != 0
+    assert "CANCELLED" in text, text[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "summary.csv")))
+    assert rows[0]["status"] == "cancelled"
+
+
+def _job_id(sweep_dir) -> str:
+    folders = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir() and p.name.split("_")[0].isdigit()]
+    return folders[0].split("_")[0]
+
+
+def test_slurm_launcher_without_multirun_is_refused(cli):
+    proc, run_dir = cli("hydra/launcher=submitit_slurm")
+    assert proc.returncode == 2 and "add -m" in proc.stderr
+    assert not (run_dir / "ranks").exists()
+
+
+def test_requeue_resumes_from_checkpoints_with_identical_metrics(slurm, tmp_path, cli):
+    """SLURM's checkpoint signal (USR2, as before a timeout or on preemption) mid-shard: every rank saves its
+    states, submitit requeues the job, the ranks resume after their last counted batch, and the metrics equal
+    an uninterrupted local run exactly."""
+    args = ("+experiment=fashion_mnist", "data.batch_size=4", "dist.world_size=2")
+    driver = _disteval(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, wait=False)
+    status = tmp_path / "sweep" / "0" / "ranks" / "rank1" / "status.json"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if json.loads(status.read_text()).get("samples_done", 0) > 400:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    else:
+        driver.kill()
+        pytest.fail("the job never started evaluating")
+    subprocess.run(["scancel", "--signal=USR2", _job_id(tmp_path / "sweep")], check=True)
+    out, err = driver.communicate(timeout=480)
+    assert driver.returncode == 0, (out + err)[-3000:]
+    logs = [(tmp_path / "sweep" / "0" / "ranks" / f"rank{r}" / "log.txt").read_text() for r in range(2)]
+    assert all("resuming from" in log for log in logs), logs  # not restarted from scratch
+    local_proc, local_dir = cli(*args)
+    assert local_proc.returncode == 0
+    assert load_results(tmp_path / "sweep" / "0")["metrics"] == load_results(local_dir)["metrics"]
+    assert not list((tmp_path / "sweep" / "0" / "ranks").glob("rank*/checkpoint.pt"))  # removed when done
