@@ -142,8 +142,9 @@ def _final_state(job) -> str:
 
     state = "UNKNOWN"
     for _ in range(20):
-        try:
-            state = str(job.state).split()[0]
+        try:  # a forced sacct query: submitit's cached job.state lags by seconds
+            info = job.get_info(mode="force") if hasattr(job, "get_info") else {}
+            state = str(info.get("State") or job.state).split()[0]
         except Exception:  # noqa: BLE001
             state = "UNKNOWN"
         if state not in ("UNKNOWN", "RUNNING", "PENDING", "COMPLETING", "REQUEUED"):

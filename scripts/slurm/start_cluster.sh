@@ -148,8 +148,12 @@ alive "$R/slurmd.pid" slurmd || ! port_open "$SLURMD_PORT" || busy+=("$SLURMD_PO
     "(another cluster? stop it, or set DISTEVAL_SLURM_*_PORT)"
 
 mkdir -p "$R"/{etc,munge,mysql,ctld,spool,log,tmp}
-chmod 755 "$R" "$R/munge"        # munged refuses a socket directory without o+x (clients connect)
-chmod 700 "$R/ctld" "$R/spool"   # controller state and slurmd spool hold job scripts and credentials
+chmod 755 "$R" "$R/munge"   # munged refuses a socket directory without o+x (clients connect)
+chmod 700 "$R/ctld"         # controller state: job scripts and environments of every job
+# slurmd's spool must be traversable: a non-root job's script is exec'ed, as that user, from a
+# per-job directory in it (700 here made every non-root job FAIL with "execve: Permission denied")
+chmod 755 "$R/spool"
+chmod 1777 "$R/tmp"         # TmpFS: writable by jobs of any user, like /tmp
 
 # --------------------------------------------------------------------------------- 3. configs
 # Each config is written to FILE.new; once all are written they are moved over the old ones. If one
@@ -219,6 +223,9 @@ JobCompType=jobcomp/none
 
 MpiDefault=none
 SchedulerType=sched/backfill
+# batch_sched_delay (default 3 s) lets slurmctld put off starting a newly submitted batch job: every
+# submitit round trip took 1.5-3 s longer for it. 0: try to start it at once.
+SchedulerParameters=batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # Without a default, a job that gives no --mem is allocated the whole node's memory and jobs run

@@ -104,7 +104,9 @@ if [ -d "$R" ]; then
         [ ${#tasks[@]} -gt 0 ] && kill -TERM "${tasks[@]}" 2>/dev/null
         for ((i = 0; i < 50; i++)); do
             left=0
-            for pid in "${tasks[@]}"; do [ -d "/proc/$pid" ] && left=1; done
+            for pid in "${tasks[@]}"; do   # a zombie (state Z) has exited already
+                case "$(ps -o stat= -p "$pid" 2>/dev/null)" in "" | Z*) ;; *) left=1 ;; esac
+            done
             [ "$left" = 0 ] && break
             sleep 0.1
         done
