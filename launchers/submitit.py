@@ -31,7 +31,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from launchers.culprit import find_culprit
 
@@ -94,6 +94,8 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         configs = []
         for i, overrides in enumerate(job_overrides):
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg.hydra.job):
+                cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
             shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
                               self.params.get("gpus_per_node"))
@@ -110,7 +112,13 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                              Singleton.get_state()))
             for i, job in zip(members, executor.map_array(self, *zip(*args))):
                 jobs[i] = job
-        return [self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
+        returns = [self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
+        if any(r.status == JobStatus.FAILED for r in returns):
+            # Hydra's sweeper raises the first failure and skips on_multirun_end: summarize here
+            from disteval.sweep import summarize_sweep
+
+            summarize_sweep(sweep_dir)
+        return returns
 
     def _outcome(self, job, cfg, idx: int) -> JobReturn:
         """Wait for ``job``; a JobReturn that is COMPLETED only when every task completed."""
