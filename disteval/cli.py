@@ -71,7 +71,11 @@ def run(cfg: DictConfig) -> int:
     try:
         container = job_container(cfg)
         job = OmegaConf.create(container)
-        preflight(job)
+        notes: list[str] = []
+        preflight(job, notes)
+        if not external or RankEnv.from_env().rank == 0:
+            for note in notes:
+                _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
         if not external:
             archive_previous_records(run_dir)
     except DistevalError as exc:

@@ -205,21 +205,35 @@ def synchronise(metric: Metric, coverage: SampleIdCoverage, comm: Communicator,
     return runs, rows
 
 
+def sync_policy_notes(metric: Metric, policy: SyncPolicy) -> list[str]:
+    """Warnings for a valid but ineffective request (a lossy mode with nothing compressible to apply it to)."""
+    if policy.compression not in ("fp16", "bf16"):
+        return []
+    chosen = [k for k, s in metric.specs().items() if s.compressible
+              and (policy.compress_states is None or k in policy.compress_states)]
+    if chosen:
+        return []
+    return [f"communication.compression={policy.compression} has nothing to compress: no state of eval.metrics is "
+            "declared compressible (e.g. add ranking to eval.metrics for its scores); every payload stays exact"]
+
+
 def check_sync_policy(metric: Metric, policy: SyncPolicy) -> None:
     """Refuse a compression request the metrics do not allow, before any rank starts. Raises ConfigError
     naming ``communication.compress_states`` and the state: an unknown state, a sum-state (all-reduced,
     never compressed), or with fp16/bf16 a state its metric declares exact (integer counts, labels)."""
     from disteval.errors import ConfigError
 
+    specs = metric.specs()
     if policy.compress_states is None:
         return
-    specs = metric.specs()
     gather = sorted(k for k, s in specs.items() if s.reduction == "gather")
     compressible = sorted(k for k, s in specs.items() if s.compressible)
     for name in policy.compress_states:
         if name not in specs:
-            raise ConfigError("communication.compress_states", f"unknown state {name!r}; the gather-states of "
-                              f"eval.metrics are {gather}")
+            family = name.split(".", 1)[0]
+            hint = f" (add {family} to eval.metrics)" if family in ("classification", "ranking", "coco") else ""
+            raise ConfigError("communication.compress_states", f"unknown state {name!r}{hint}; the gather-states "
+                              f"of eval.metrics are {gather}")
         if specs[name].reduction != "gather":
             raise ConfigError("communication.compress_states", f"state {name!r} is an exact sum-state "
                               f"(all-reduced in int64/float64) and is never compressed; gather-states: {gather}")

@@ -91,9 +91,9 @@ def check_rendezvous_address(addr: str, port: int) -> None:
                               "(dist.master_port=0 picks a free port)") from None
 
 
-def preflight(cfg: Any) -> int:
+def preflight(cfg: Any, notes: list[str] | None = None) -> int:
     """All driver-side checks: config values, dataset root, model/checkpoint/weights, top-k vs classes.
-    Returns the number of classes. Raises ConfigError, CheckpointError or DataError."""
+    Returns the number of classes; warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
     if cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
@@ -118,6 +118,9 @@ def preflight(cfg: Any) -> int:
     if too_big:
         raise ConfigError("eval.topk", f"k={too_big} exceed the {num_classes} classes; e.g. eval.topk=[1]")
     preflight_model(cfg.model, num_classes, input_shape(cfg.data))
-    from disteval.engine import SyncPolicy, build_metric, check_sync_policy
-    check_sync_policy(build_metric(cfg, num_classes), SyncPolicy.from_config(cfg.communication))
+    from disteval.engine import SyncPolicy, build_metric, check_sync_policy, sync_policy_notes
+    metric, policy = build_metric(cfg, num_classes), SyncPolicy.from_config(cfg.communication)
+    check_sync_policy(metric, policy)
+    if notes is not None:
+        notes.extend(sync_policy_notes(metric, policy))
     return num_classes

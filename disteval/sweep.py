@@ -33,7 +33,8 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
     job = run_dir / "job.json"
     if job.is_file():
         rec = json.loads(job.read_text())
-        row.update(status=str(rec.get("state", "FAILED")).lower(), error=rec.get("error", ""))
+        row.update(status=str(rec.get("state", "FAILED")).lower(), error=rec.get("error", ""),
+                   world_size=rec.get("world_size"))
     statuses = sorted(run_dir.glob("ranks/rank*/status.json"))
     for path in statuses:
         s = json.loads(path.read_text())
@@ -74,11 +75,17 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
         value = "" if r.get("value") is None else f"{r['main_metric']} {r['value']:.6f}"
         ips = "" if r.get("images_per_s") is None else f"{r['images_per_s']:,.0f}"
         wall = "" if r.get("wall_s") is None else f"{r['wall_s']:.2f}"
-        note = r["flag"] or r.get("error", "")
+        note = r["flag"] or _short(r.get("error", ""))
         style = "red" if r["status"] != "completed" or r["flag"] else None
         table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, ips, wall, note, style=style)
     (console or Console()).print(table)
     return rows
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """One line of at most ``limit`` characters (the full text is in summary.csv and the job's job.json)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -91,14 +91,19 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         groups: dict[tuple[int, int], list[int]] = {}
-        configs = []
+        configs, refused = [], {}
         for i, overrides in enumerate(job_overrides):
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
-            shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
-                              self.params.get("gpus_per_node"))
+            try:  # what is knowable up front fails here, before anything is submitted
+                shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
+                                  self.params.get("gpus_per_node"))
+                _preflight(cfg)
+            except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
+                refused[i] = f"{type(exc).__name__}: {exc}"
+                continue
             groups.setdefault(shape, []).append(i)
         jobs: dict[int, Any] = {}
         for (nodes, per_node), members in groups.items():
@@ -112,13 +117,29 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                              Singleton.get_state()))
             for i, job in zip(members, executor.map_array(self, *zip(*args))):
                 jobs[i] = job
-        returns = [self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
+        returns = [self._refused(configs[i], initial_job_idx + i, refused[i]) if i in refused else
+                   self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
         if any(r.status == JobStatus.FAILED for r in returns):
             # Hydra's sweeper raises the first failure and skips on_multirun_end: summarize here
             from disteval.sweep import summarize_sweep
 
             summarize_sweep(sweep_dir)
         return returns
+
+    def _failed(self, cfg, idx: int, job_id: str, state: str, msg: str) -> JobReturn:
+        run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        log.error(msg)
+        ret = JobReturn()
+        ret.overrides = list(cfg.hydra.overrides.task)
+        ret.working_dir = str(run_dir)
+        ret.status = JobStatus.FAILED
+        ret._return_value = JobFailed(msg)
+        _write_job_record(run_dir, job_id, state, msg, int(cfg.dist.world_size))
+        return ret
+
+    def _refused(self, cfg, idx: int, error: str) -> JobReturn:
+        return self._failed(cfg, idx, "", "REFUSED", f"job #{idx} (dist.world_size={cfg.dist.world_size}) was not "
+                            f"submitted: {error}")
 
     def _outcome(self, job, cfg, idx: int) -> JobReturn:
         """Wait for ``job``; a JobReturn that is COMPLETED only when every task completed."""
@@ -128,20 +149,17 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             state = _final_state(job)
             run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
             world = int(cfg.dist.world_size)
+            what = f"{'SLURM' if self._EXECUTOR == 'slurm' else 'submitit local'} job {job.job_id} (#{idx}, " \
+                   f"dist.world_size={world})"
             if state in ("CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"):
-                msg = f"SLURM job {job.job_id} (#{idx}, dist.world_size={world}) ended {state}"
+                msg = f"{what} ended {state}"
             else:
                 culprit = find_culprit(str(run_dir), world, {}) if (run_dir / "ranks").is_dir() else None
-                cause = culprit.message if culprit is not None else f"{type(exc).__name__}: {exc}".splitlines()[0]
-                msg = f"SLURM job {job.job_id} (#{idx}, dist.world_size={world}) failed ({state}): {cause}"
-            log.error(msg)
-            ret = JobReturn()
-            ret.overrides = list(cfg.hydra.overrides.task)
-            ret.working_dir = str(run_dir)
-            ret.status = JobStatus.FAILED
-            ret._return_value = JobFailed(msg)
-            _write_job_record(run_dir, job.job_id, state, msg)
-            return ret
+                cause = culprit.message if culprit is not None else (
+                    _disteval_error(job) or f"{type(exc).__name__}: {exc}".splitlines()[0])
+                msg = f"{what} failed: {cause}"
+                state = "FAILED"
+            return self._failed(cfg, idx, str(job.job_id), state, msg)
 
 
 def _final_state(job) -> str:
@@ -161,13 +179,34 @@ def _final_state(job) -> str:
     return state
 
 
-def _write_job_record(run_dir: Path, job_id: str, state: str, message: str) -> None:
+def _preflight(cfg) -> None:
+    """The driver-side checks of ``python -m disteval`` on one job's config (without the hydra node)."""
+    from disteval.preflight import validate_config
+
+    job = cfg.copy()
+    with open_dict(job):
+        del job["hydra"]
+    validate_config(OmegaConf.create(OmegaConf.to_container(job, resolve=True)))
+
+
+def _disteval_error(job) -> str | None:
+    """The last ``disteval:`` line of the job's stderr (an error raised before any rank wrote a record)."""
+    try:
+        text = job.stderr() or ""
+    except Exception:  # noqa: BLE001
+        return None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("disteval:")]
+    return lines[-1] if lines else None
+
+
+def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, world_size: int) -> None:
     """RUN_DIR/job.json with the scheduler's view of a failed job (read by the sweep summary)."""
     from disteval.records import atomic_write_json
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "job.json", {"job_id": job_id, "state": state, "error": message})
+        atomic_write_json(run_dir / "job.json", {"job_id": job_id, "state": state, "error": message,
+                                                 "world_size": world_size})
     except OSError:
         pass
 
