@@ -80,7 +80,8 @@ class ReplayImages(Dataset):
     def __getitem__(self, index: int):
         sel = self.order[self.starts[index]:self.starts[index + 1]]
         d = self.dets
-        out = {"bbox": d.box[sel], "scores": d.score[sel], "labels": self.gt.category_ids[d.category[sel]]}
+        out = {"bbox": d.box[sel], "area": d.area[sel], "scores": d.score[sel],
+               "labels": self.gt.category_ids[d.category[sel]]}  # area as loadRes computed it
         if d.segmentation is not None:
             out["segmentation"] = [d.segmentation[i] for i in sel]
         return out, index, index

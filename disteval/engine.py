@@ -386,7 +386,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         # preemption: resume from this rank's checkpoint, and write one when SLURM signals the job
         ckpt_path = rank_dir(run_dir, rank) / CHECKPOINT
         start, end = shard_bounds(len(dataset), world_size, rank)
-        key = {"config": report.config_digest(cfg), "world_size": world_size, "rank": rank, "shard": [start, end]}
+        key = {"config": report.config_digest(cfg), "world_size": world_size, "rank": rank, "shard": [start, end],
+               "job": os.environ.get("SLURM_JOB_ID")}  # a requeued job keeps its id; another job never matches
         ckpt = load_checkpoint(ckpt_path, key)
         skip = 0
         if ckpt is not None:
@@ -396,14 +397,15 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             log.info("resuming from %s: %d of %d samples already counted", ckpt_path, skip, end - start)
         guard = PreemptionGuard(lambda: save_checkpoint(ckpt_path, {k: v for k, (v, _) in metric.states().items()},
                                                         coverage.runs(), guard.samples_done, key))
-        with progress, guard:
-            outcome = evaluate_shard(
-                model, dataset, metric, coverage, rank=rank, world_size=world_size,
-                batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
-                precision=cfg.precision, status=status,
-                on_batch=(lambda b, s: watch.maybe_check()) if watch else
-                (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward,
-                skip=skip, guard=guard)
+        with progress:
+            with guard:  # only while evaluating: a checkpoint never holds synchronised states
+                outcome = evaluate_shard(
+                    model, dataset, metric, coverage, rank=rank, world_size=world_size,
+                    batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
+                    precision=cfg.precision, status=status,
+                    on_batch=(lambda b, s: watch.maybe_check()) if watch else
+                    (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward,
+                    skip=skip, guard=guard)
             status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
             if watch:
                 watch.wait_all_in_sync()

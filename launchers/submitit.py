@@ -104,6 +104,12 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
                 refused[i] = f"{type(exc).__name__}: {exc}"
                 continue
+            # a reused sweep directory: move the earlier results and records (and checkpoints) aside first
+            from disteval.records import archive_previous_records
+
+            archive_previous_records(Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir))
+            for stale in ("job.json",):
+                (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / stale).unlink(missing_ok=True)
             groups.setdefault(shape, []).append(i)
         jobs: dict[int, Any] = {}
         for (nodes, per_node), members in groups.items():

@@ -151,6 +151,13 @@ def _tiny_set(tmp_path, dets=None, anns=None):
     ([{"image_id": 5, "category_id": 1, "score": .5}], None, "entry 0: needs keys"),
     ([], [{"id": 1, "image_id": 5, "category_id": 1, "bbox": [0, 0, 3, -2]}], "annotation entry 0 (id 1): negative"),
     ([], [{"id": 1, "image_id": 6, "category_id": 1, "bbox": [0, 0, 3, 2]}], "annotations entry 0: image_id 6"),
+    ([{"image_id": 5.5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": .5}], None,
+     "entry 0: image_id must be an integer, got 5.5"),
+    ([{"image_id": "5", "category_id": 1, "bbox": [0, 0, 1, 1], "score": .5}], None, "image_id must be an integer"),
+    ([{"image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": True}], None,
+     "entry 0: score must be a finite number, got True"),
+    ([], [{"id": 1, "image_id": 5, "category_id": 1, "bbox": [0, 0, 3, 2], "area": None}],
+     "entry 0: area must be a finite number, got None"),
 ])
 def test_bad_entries_name_file_and_entry(tmp_path, dets, anns, needle):
     gt_path, dt_path = _tiny_set(tmp_path, dets, anns)
@@ -254,3 +261,42 @@ def test_random_sets_equal_pycocotools(tmp_path, seed, iou_type):
     rec = m._states["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
     precision, recall = accumulate(rec, m._states["npig"].numpy(), gt.num_categories)
     assert np.array_equal(precision, ev.eval["precision"]) and np.array_equal(recall, ev.eval["recall"])
+
+
+def test_cli_segm_results_with_boxes_equal_pycocotools(cli, tmp_path):
+    """Mask R-CNN-style results carry bbox and segmentation: pycocotools then takes the box's w*h as the
+    detection's area (area ranges), and so must the replay."""
+    from disteval.data.coco_synthetic import make_synthetic_coco
+
+    gt_path, dt_path = make_synthetic_coco(tmp_path, num_images=24, num_categories=5, dets_per_image=30, seed=7,
+                                           iou_type="segm", image_size=(160, 120))
+    assert "bbox" in json.loads(dt_path.read_text())[0]
+    want, _ = pycocotools_stats(gt_path, dt_path, "segm")
+    proc, run_dir = cli("+experiment=coco_replay", f"data.annotations={gt_path}", f"data.predictions={dt_path}",
+                        "eval.iou_type=segm")
+    assert proc.returncode == 0, proc.stderr
+    assert _stats(load_results(run_dir)["metrics"]) == want
+
+
+def test_more_categories_than_int16():
+    """Category indices beyond 32767 (records hold int32)."""
+    gt = {"images": [{"id": 1, "width": 50, "height": 50}, {"id": 2, "width": 50, "height": 50}],
+          "categories": [{"id": c, "name": str(c)} for c in range(1, 33001)],
+          "annotations": [{"id": 1, "image_id": 1, "category_id": 33000, "bbox": [1, 1, 20, 20], "area": 400,
+                           "iscrowd": 0},
+                          {"id": 2, "image_id": 2, "category_id": 33000, "bbox": [1, 1, 20, 20], "area": 400,
+                           "iscrowd": 0}]}
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "gt.json").write_text(json.dumps(gt))
+        Path(tmp, "dt.json").write_text(json.dumps([{"image_id": 1, "category_id": 33000, "bbox": [1, 1, 20, 20],
+                                                     "score": 0.9}]))
+        g = load_ground_truth(Path(tmp, "gt.json"))
+        m = CocoDetectionMetric(g)
+        m.add_detections(np.arange(2), load_detections(Path(tmp, "dt.json"), g, "bbox").select(np.arange(2)))
+        out = m.compute()
+    # one of two ground truths found at precision 1: 51 of the 101 recall points reach it
+    assert out["AP"] == pytest.approx(51 / 101, rel=1e-12)
+    assert out["AR100"] == 0.5

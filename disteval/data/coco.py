@@ -35,6 +35,28 @@ def _read_json(path: str | Path, what: str):
         raise DataError(f"{what} {path} cannot be read: {exc}") from None
 
 
+def _int_ids(entries: list, key: str, where: str) -> np.ndarray:
+    """int64 ids of ``entries[i][key]``; DataError naming the entry for anything but an integer (a float,
+    a string or a bool would otherwise be converted silently)."""
+    values = [e[key] for e in entries]
+    for i, v in enumerate(values):
+        if type(v) is not int:
+            raise DataError(f"{where} entry {i}: {key} must be an integer, got {v!r}")
+    return np.array(values, dtype=np.int64)
+
+
+def _numbers(entries: list, key: str, where: str, default=None) -> np.ndarray:
+    """float64 values of ``entries[i][key]`` (``default(entry)`` when absent); DataError naming the entry for
+    a value that is not a finite number (null, a string, a bool)."""
+    out = np.empty(len(entries), dtype=np.float64)
+    for i, e in enumerate(entries):
+        v = e[key] if key in e or default is None else default(e)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise DataError(f"{where} entry {i}: {key} must be a finite number, got {v!r}")
+        out[i] = v
+    return out
+
+
 def _check_box(box, where: str) -> None:
     if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box):
         raise DataError(f"{where}: bbox must be [x, y, width, height] numbers, got {box!r}")
@@ -168,10 +190,10 @@ def load_ground_truth(path: str | Path) -> CocoGroundTruth:
         np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros(0), np.zeros(0, bool),
         np.zeros(0, np.int64), [a.get("segmentation") for a in anns])
     where = f"annotation file {path} annotations"
-    gt.ann_image = gt.image_index(np.array([a["image_id"] for a in anns], dtype=np.int64), where)
-    gt.ann_category = gt.category_index(np.array([a["category_id"] for a in anns], dtype=np.int64), where)
+    gt.ann_image = gt.image_index(_int_ids(anns, "image_id", where), where)
+    gt.ann_category = gt.category_index(_int_ids(anns, "category_id", where), where)
     gt.ann_box = np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4)
-    gt.ann_area = np.array([a.get("area", a["bbox"][2] * a["bbox"][3]) for a in anns], dtype=np.float64)
+    gt.ann_area = _numbers(anns, "area", where, default=lambda a: a["bbox"][2] * a["bbox"][3])
     gt.ann_crowd = np.array([bool(a.get("iscrowd", 0)) for a in anns], dtype=bool)
     gt.ann_id = np.array([a["id"] for a in anns], dtype=np.int64)
     return gt
@@ -224,16 +246,9 @@ def load_detections(path: str | Path, gt: CocoGroundTruth, iou_type: str) -> Coc
             raise DataError(f"predictions file {path} entry {i}: needs keys {list(need)}, got "
                             f"{sorted(d) if isinstance(d, dict) else type(d).__name__}")
     where = f"predictions file {path}"
-    image = gt.image_index(np.array([d["image_id"] for d in data], dtype=np.int64), where)
-    category = gt.category_index(np.array([d["category_id"] for d in data], dtype=np.int64), where)
-    try:
-        score = np.array([d["score"] for d in data], dtype=np.float64)
-    except (TypeError, ValueError):
-        raise DataError(f"{where}: every score must be a number") from None
-    bad = ~np.isfinite(score)
-    if bad.any():
-        i = int(np.nonzero(bad)[0][0])
-        raise DataError(f"{where} entry {i}: score {data[i]['score']!r} is not finite")
+    image = gt.image_index(_int_ids(data, "image_id", where), where)
+    category = gt.category_index(_int_ids(data, "category_id", where), where)
+    score = _numbers(data, "score", where)
     has_box = bool(data) and "bbox" in data[0] and data[0]["bbox"] != []  # loadRes takes its bbox branch
     segm = None
     if has_box:

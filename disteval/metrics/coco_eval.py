@@ -35,8 +35,8 @@ AREA_LBL = ("all", "small", "medium", "large")
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 T, A = len(IOU_THRS), len(AREA_RNG)
 
-# one record per kept detection: what accumulate needs, 25 bytes, no pickle
-RECORD_DTYPE = np.dtype([("score", "<f8"), ("image", "<i4"), ("category", "<i2"), ("position", "u1"),
+# one record per kept detection: what accumulate needs, 27 bytes, no pickle
+RECORD_DTYPE = np.dtype([("score", "<f8"), ("image", "<i4"), ("category", "<i4"), ("position", "u1"),
                          ("tp", "u1", (T * A + 7) // 8), ("fp", "u1", (T * A + 7) // 8)])
 
 

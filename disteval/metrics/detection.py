@@ -1,9 +1,9 @@
 """COCO detection mAP (bbox, segm) as a mergeable metric: each rank matches the images it evaluated
-(``disteval.metrics.coco_eval.match_shard``), and only compact per-detection records (25 bytes each) and
+(``disteval.metrics.coco_eval.match_shard``), and only compact per-detection records (27 bytes each) and
 the [K, 4] ground-truth counts travel; rank 0 accumulates them into the 12 COCOeval statistics and
 per-category AP, identical to pycocotools.
 
-States: ``records`` uint8 [n, 25] (RECORD_DTYPE bytes, gathered to rank 0), ``images`` int64 [m] (image
+States: ``records`` uint8 [n, 27] (RECORD_DTYPE bytes, gathered to rank 0), ``images`` int64 [m] (image
 indices evaluated, gathered to rank 0: every image id must be evaluated exactly once), ``npig`` int64 [K, 4]
 (non-ignored ground truths per category and area range, summed).
 """
@@ -35,7 +35,8 @@ class CocoDetectionMetric(Metric):
 
     ``update(outputs, targets, sample_ids)``: outputs = per image a dict with ``boxes`` float [n, 4] xyxy
     pixels (torchvision detection models) or ``bbox`` [n, 4] xywh, ``scores`` [n], ``labels`` [n] (category
-    ids) and for segm ``segmentation`` (n RLEs); targets = int64 [B] image indices (sorted image-id order).
+    ids) and for segm ``segmentation`` (n RLEs), optionally ``area`` [n] (else w*h of the boxes, or the mask
+    area for segm outputs without boxes, as pycocotools' loadRes); targets = int64 [B] image indices (sorted image-id order).
     Detections whose label is not a category of ``gt`` are dropped and counted (``dropped_unknown_category``).
     """
 
@@ -73,19 +74,23 @@ class CocoDetectionMetric(Metric):
                                                     == labels)
             self.dropped_unknown_category += int((~known).sum())
             rle = [out["segmentation"][i] for i in np.nonzero(known)[0]] if self.iou_type == "segm" else None
-            parts.append((np.full(int(known.sum()), img), k[known], scores[known].astype(np.float64), box[known], rle))
+            area = np.asarray(out["area"], dtype=np.float64)[known] if "area" in out else None
+            parts.append((np.full(int(known.sum()), img), k[known], scores[known].astype(np.float64), box[known], rle,
+                          area))
             if self.keep_predictions:
                 self._keep(int(img), labels[known], scores[known], box[known])
         if not parts:
             return
         box = np.concatenate([p[3] for p in parts]).reshape(-1, 4)
-        if self.iou_type == "segm":
+        rle = [r for p in parts for r in p[4]] if self.iou_type == "segm" else None
+        if all(p[5] is not None for p in parts):  # given (a results file: loadRes' rule, see data/coco.py)
+            area = np.concatenate([p[5] for p in parts])
+        elif self.iou_type == "segm" and not any("bbox" in o or "boxes" in o for o in outputs):
             from pycocotools import mask as mask_utils
 
-            rle = [r for p in parts for r in p[4]]
             area = np.array([mask_utils.area(r) for r in rle], dtype=np.float64)
-        else:
-            rle, area = None, box[:, 2] * box[:, 3]
+        else:  # boxes present: w * h, as pycocotools' loadRes
+            area = box[:, 2] * box[:, 3]
         dets = detections_from_arrays(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                                       np.concatenate([p[2] for p in parts]), box, area, rle)
         self.add_detections(images, dets)
