@@ -4,7 +4,7 @@ many samples of its shard it has counted, atomically, to RUN_DIR/ranks/rank{r}/c
 job loads them and continues after the last counted sample, so the final result equals an uninterrupted
 run exactly (states are sums and concatenations of whole batches).
 
-The signal is blocked while a batch is being added to the metric (``PreemptionGuard.batch``), so a
+A signal arriving while a batch is being added to the metric (``PreemptionGuard.batch``) waits for it, so a
 checkpoint always holds whole batches. A checkpoint is used only when its key (config digest, world size,
 rank and shard) matches; it is deleted when the rank finishes.
 """
@@ -60,7 +60,11 @@ class PreemptionGuard:
     """Saves a checkpoint when the checkpoint signal arrives, then hands the signal to the previous handler
     (submitit's, which requeues the job on rank 0). Active only inside a SLURM job (SLURM_JOB_ID set).
 
-    ``save`` is called with no argument and must write the checkpoint of the current, consistent state."""
+    ``save`` is called with no argument and must write the checkpoint of the current, consistent state.
+    Python runs signal handlers in the main thread between any two bytecodes, whichever thread the kernel
+    delivered the signal to, so a signal mask cannot protect a batch: a signal that arrives while a batch is
+    being added (``batch()``) is only noted, and handled when the batch is complete. Processes forked from
+    the rank (DataLoader workers) inherit the handler and ignore the signal."""
 
     def __init__(self, save: Callable[[], None]):
         self.save = save
@@ -68,10 +72,15 @@ class PreemptionGuard:
         self.signum = getattr(signal, f"SIG{name}", signal.SIGUSR2)
         self.active = "SLURM_JOB_ID" in os.environ
         self._previous: Any = None
+        self._pid = os.getpid()
+        self._in_batch = False
+        self._pending: tuple | None = None
         self.saved = False
+        self.samples_done = 0
 
     def __enter__(self) -> "PreemptionGuard":
         if self.active:
+            self._pid = os.getpid()
             self._previous = signal.signal(self.signum, self._handle)
         return self
 
@@ -80,6 +89,14 @@ class PreemptionGuard:
             signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: its copy of the state is stale
+            return
+        if self._in_batch:
+            self._pending = (signum, frame)
+            return
+        self._save_and_chain(signum, frame)
+
+    def _save_and_chain(self, signum, frame) -> None:
         try:
             self.save()
             self.saved = True
@@ -91,12 +108,19 @@ class PreemptionGuard:
 
     @contextlib.contextmanager
     def batch(self):
-        """Block the signal while a batch is added to the metric state (it is delivered right after)."""
+        """Add one batch to the state: a checkpoint signal arriving meanwhile waits until the batch is in."""
         if not self.active:
             yield
             return
-        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        self._in_batch = True
         try:
             yield
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {self.signum})
+        except BaseException:
+            self._in_batch = False
+            self._pending = None  # the batch is half in: no checkpoint of this state
+            raise
+        self._in_batch = False
+        if self._pending is not None:
+            signum, frame = self._pending
+            self._pending = None
+            self._save_and_chain(signum, frame)

@@ -26,7 +26,8 @@ def _metric():
                              "ranking": RankingMetrics(NUM_CLASSES)})
 
 
-def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["between batches", "inside a batch"])
+def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch, where):
     logits, labels = synthetic_logits(203, seed=3)
     data = IndexedDataset(TensorDataset(torch.from_numpy(logits), torch.from_numpy(labels)))
     whole, cov = _metric(), SampleIdCoverage()
@@ -46,8 +47,18 @@ def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch
                                                     coverage.runs(), guard.samples_done, key))
 
     def on_batch(batches, samples):
-        if batches == 4:
-            os.kill(os.getpid(), signal.SIGUSR2)  # arrives between batches: whole batches only
+        if batches == 4 and where == "between batches":
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    update, calls = metric.update, []
+
+    def update_then_signal(outputs, targets, ids):  # the signal lands after the metric, before the coverage
+        update(outputs, targets, ids)
+        calls.append(1)
+        if len(calls) == 4 and where == "inside a batch":
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    metric.update = update_then_signal
 
     with pytest.raises(Preempted), guard:
         evaluate_shard(torch.nn.Identity(), data, metric, coverage, rank=1, world_size=2, batch_size=7,
