@@ -165,10 +165,16 @@ def check_detection_config(cfg: Any) -> None:
                                   f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH") from None
 
 
+def build_detection_metric(cfg: Any, gt: CocoGroundTruth | None = None) -> CocoDetectionMetric:
+    """The COCO metric of a detection job (reads ``data.annotations`` unless ``gt`` is given)."""
+    gt = gt if gt is not None else load_ground_truth(cfg.data.annotations)
+    return CocoDetectionMetric(gt, cfg.eval.iou_type, keep_predictions=bool(cfg.eval.save_predictions))
+
+
 def build_detection_task(cfg: Any):
-    """``(dataset, model or None, metric, forward)`` of a detection job."""
+    """``(dataset, model or None, metric, ground truth)`` of a detection job."""
     gt = load_ground_truth(cfg.data.annotations)
-    metric = CocoDetectionMetric(gt, cfg.eval.iou_type, keep_predictions=bool(cfg.eval.save_predictions))
+    metric = build_detection_metric(cfg, gt)
     if cfg.data.name == "coco_replay":
         dets = load_detections(cfg.data.predictions, gt, cfg.eval.iou_type)
         return ReplayImages(gt, dets, cfg.data.limit), None, metric, gt

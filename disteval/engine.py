@@ -33,7 +33,7 @@ from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMe
                               check_coverage, raise_if_incomplete)
 from disteval.metrics.base import Metric
 from disteval.models import build_model, resolve_num_classes
-from disteval.detection import (build_detection_task, collate_images, detector_forward, is_detection,
+from disteval.detection import (build_detection_metric, build_detection_task, collate_images, detector_forward, is_detection,
                                 replay_forward)
 from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -247,7 +247,7 @@ def build_metric(cfg: Any, num_classes: int) -> MetricCollection:
     """The metric families of ``eval.metrics`` (classification: sum-states; ranking: AUROC/AP from gathered
     scores) as one collection, synchronised together."""
     if is_detection(cfg):
-        return MetricCollection({"coco": build_detection_task(cfg)[2]})
+        return MetricCollection({"coco": build_detection_metric(cfg)})
     families = {"classification": lambda: ClassificationMetrics(num_classes, topk=list(cfg.eval.topk),
                                                                 ece_bins=cfg.eval.ece_bins),
                 "ranking": lambda: RankingMetrics(num_classes)}

@@ -107,9 +107,9 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             # a reused sweep directory: move the earlier results and records (and checkpoints) aside first
             from disteval.records import archive_previous_records
 
-            archive_previous_records(Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir))
-            for stale in ("job.json",):
-                (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / stale).unlink(missing_ok=True)
+            job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+            archive_previous_records(job_dir)
+            (job_dir / "job.json").unlink(missing_ok=True)
             groups.setdefault(shape, []).append(i)
         jobs: dict[int, Any] = {}
         for (nodes, per_node), members in groups.items():

@@ -254,7 +254,7 @@ class Communicator:
         supported = tensor.dtype in _CODE and 1 <= tensor.ndim <= _MAX_DIMS
         code, ndim = (_CODE[tensor.dtype], tensor.ndim) if supported else (-1, tensor.ndim)
         lossy = cz.plan(compression, tensor.dtype, compressible) if supported else cz.WirePlan("raw", tensor.dtype)
-        lo, hi = cz.local_range(tensor)
+        lo, hi = cz.local_range(tensor) if compression == "lossless" else (0, 0)
         early = cz.encode(tensor, lossy) if lossy.kind == "lossy" else None  # lossy plans need no global facts
         err_abs, err_rel = cz.lossy_error(tensor, lossy, early)
         meta = torch.full((_META,), -1, dtype=torch.int64)

@@ -133,8 +133,6 @@ class CocoGroundTruth:
 
     def rle(self, i: int):
         """Annotation ``i``'s segmentation as an RLE (pycocotools' annToRLE)."""
-        from pycocotools import mask as mask_utils
-
         img = int(self.ann_image[i])
         return to_rle(self.ann_segmentation[i], int(self.heights[img]), int(self.widths[img]),
                       f"{self.path} annotation {i} (id {int(self.ann_id[i])})")

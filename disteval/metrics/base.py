@@ -86,8 +86,13 @@ class Metric:
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _flush(self) -> None:
+        """Fold work queued by ``update`` into the states (no-op here; metrics that batch their work, e.g.
+        ranking scores or COCO matching, override it). ``states``, ``merge_state`` call it first."""
+
     def states(self) -> dict[str, tuple[torch.Tensor, Reduction]]:
         """``{name: (tensor, reduction)}`` of the local states (the tensors themselves, not copies)."""
+        self._flush()
         return {k: (v, self._reductions[k]) for k, v in self._states.items()}
 
     def load_synced(self, states: dict[str, torch.Tensor]) -> None:
@@ -104,6 +109,8 @@ class Metric:
         """Merge other instances' states into this one in process (sum or concatenate), like torcheval's
         ``merge_state``; the single-process equivalent of synchronisation, used by tests and tools."""
         others = list(others)
+        for m in [self, *others]:
+            m._flush()
         merged = {}
         for name, value in self._states.items():
             parts = [value] + [o._states[name] for o in others]

@@ -117,16 +117,6 @@ class CocoDetectionMetric(Metric):
         s["images"] = torch.cat([s["images"], torch.from_numpy(images)])
         s["npig"] = s["npig"] + torch.from_numpy(npig)
 
-    def states(self):
-        self._flush()
-        return super().states()
-
-    def merge_state(self, others) -> None:
-        others = list(others)
-        for m in [self, *others]:
-            m._flush()
-        super().merge_state(others)
-
     def compute(self) -> dict:
         """``{"AP", "AP50", ..., "ARl"}`` (the 12 COCOeval statistics, -1 where undefined as pycocotools),
         ``per_category_ap`` {category name: AP or None}, ``num_images``, ``detections_evaluated``.

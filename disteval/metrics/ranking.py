@@ -88,23 +88,16 @@ class RankingMetrics(Metric):
             scores = torch.softmax(logits, dim=1)
         self._parts.append((scores, targets))
 
-    def states(self):
+    def _flush(self) -> None:
         if self._parts:
             scores = torch.cat([self._states["scores"]] + [p[0] for p in self._parts])
             targets = torch.cat([self._states["targets"]] + [p[1] for p in self._parts])
             self._states["scores"], self._states["targets"] = scores, targets
             self._parts = []
-        return super().states()
-
-    def merge_state(self, others) -> None:
-        others = list(others)
-        for m in [self, *others]:
-            m.states()
-        super().merge_state(others)
 
     def compute(self) -> dict:
         """``auroc_macro``, ``ap_macro`` (None when no class is defined), per-class lists ``auroc``, ``ap``."""
-        self.states()
+        self._flush()
         scores = self._states["scores"].numpy()
         targets = self._states["targets"].numpy()
         auroc, ap = [], []
