@@ -78,6 +78,9 @@ class DataConfig:
     name: digits | fashion_mnist | imagefolder | coco | coco_replay. root: dataset directory (fashion_mnist:
     the idx files; imagefolder: one sub-folder per class; coco: the images). annotations: a COCO annotation
     JSON (coco, coco_replay); predictions: a COCO results JSON (coco_replay). split: which split (digits: the held-out ``test`` split).
+    sampler: ``exact`` (disteval's unpadded contiguous shards; the default) or, only to reproduce other tools'
+    numbers, ``padded`` / ``drop_last`` (torch's DistributedSampler, which repeats or drops samples so that every
+    rank has the same count: such a run is marked inexact and its coverage problems are reported, not raised).
     limit: evaluate only the first ``limit`` samples (null = all). resize_size/crop_size/mean/std: the
     ImageNet-style eval transform of imagefolder data (resize short side, center crop, normalise).
     """
@@ -95,6 +98,7 @@ class DataConfig:
     std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     annotations: Optional[str] = None
     predictions: Optional[str] = None
+    sampler: str = "exact"
 
 
 @dataclass
@@ -155,13 +159,22 @@ class EvalConfig:
     """``eval.*``: metric families and their options (classification, ranking; coco for detection data).
     iou_type: bbox | segm (coco). save_predictions: each rank also writes its detections as a COCO results
     file RUN_DIR/ranks/rank{r}/predictions.json. topk: the k of top-k accuracy. ece_bins: equal-width
-    confidence bins of the expected calibration error. status_interval_s: seconds between status.json
+    confidence bins of the expected calibration error. trials: evaluate the dataset this many times; when the
+    trials disagree, each scalar metric is their ``trial_aggregate`` (mean | median | sigma_clip: the mean of
+    trials within clip_sigma * 1.4826 * MAD of the median), see ``disteval.metrics.robust``. outlier_z: per-rank
+    local top-1 accuracies with a modified z-score beyond it are reported as outlier ranks;
+    exclude_outlier_ranks: leave those ranks' samples out of the final metrics (opt-in; results.json states how
+    many samples were left out). status_interval_s: seconds between status.json
     updates (and progress refreshes) of a rank."""
 
     metrics: List[str] = field(default_factory=lambda: ["classification"])
     topk: List[int] = field(default_factory=lambda: [1, 5])
     ece_bins: int = 15
     trials: int = 1
+    trial_aggregate: str = "median"
+    clip_sigma: float = 3.0
+    outlier_z: float = 3.5
+    exclude_outlier_ranks: bool = False
     status_interval_s: float = 1.0
     progress: bool = True
     iou_type: str = "bbox"

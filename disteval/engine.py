@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 from disteval import precision as prec
 from disteval.comm import (Communicator, RankEnv, destroy_process_group, init_process_group, resolve_backend,
                            resolve_device)
-from disteval.data import ExactShardSampler, build_dataset, shard_bounds
+from disteval.data import build_dataset, shard_bounds
+from disteval.data.sharding import build_sampler, sampler_span
 from disteval.errors import DistevalError
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
                               check_coverage, raise_if_incomplete)
@@ -36,6 +37,8 @@ from disteval.models import build_model, resolve_num_classes
 from disteval.detection import (build_detection_metric, build_detection_task, collate_images, detector_forward, is_detection,
                                 replay_forward)
 from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status
+from disteval.faults import FaultPlan
+from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
@@ -68,7 +71,8 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                    status: StatusWriter | None = None,
                    on_batch: Callable[[int, int], None] | None = None,
                    collate_fn: Callable | None = None, forward: Callable | None = None,
-                   skip: int = 0, guard: Any = None) -> ShardOutcome:
+                   skip: int = 0, guard: Any = None, sampler: str = "exact",
+                   faults: Any = None) -> ShardOutcome:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``).
 
     No collective is issued here. ``on_batch(batches_done, samples_done)`` is called after each batch
@@ -77,21 +81,23 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
     inputs)`` replaces ``model(inputs.to(device))``, and ``metric.update`` receives the outputs as they are).
     ``skip``: samples of the shard already counted in ``metric`` / ``coverage`` (resumed from a checkpoint);
     ``guard``: a ``disteval.resume.PreemptionGuard`` whose checkpoint signal waits for whole batches.
+    ``sampler``: ``data.sampler`` (exact | padded | drop_last, see ``disteval.data.sharding.build_sampler``);
+    ``faults``: a ``disteval.faults.FaultPlan`` (failure drills: noise on the outputs, kill/delay after a batch).
     Returns a ShardOutcome (``samples`` includes the skipped ones).
     Raises DataError from ``metric.update`` for bad labels or non-finite logits.
     """
     device = torch.device(device)
-    sampler = ExactShardSampler(len(dataset), world_size, rank, skip=skip)
+    shard_sampler = build_sampler(sampler, len(dataset), world_size, rank, skip=skip)
     # ranks are spawned; spawned loader workers would re-import torch (seconds each): fork them instead
     context = "fork" if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=shard_sampler, num_workers=num_workers,
                         pin_memory=device.type == "cuda" and forward is None, persistent_workers=False,
                         multiprocessing_context=context, collate_fn=collate_fn)
-    out = ShardOutcome(sampler.start, sampler.end, samples=skip)
+    out = ShardOutcome(*sampler_span(shard_sampler), samples=skip)
     if guard is not None:
         guard.samples_done = skip
     if status:
-        status.update(phase="forward", samples_planned=sampler.end - sampler.start, samples_done=skip)
+        status.update(phase="forward", samples_planned=len(shard_sampler) + skip, samples_done=skip)
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -104,6 +110,8 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                     with amp:
                         outputs = model(images.to(device, non_blocking=True))
                     outputs = outputs.float()
+                if faults:
+                    outputs = faults.on_outputs(outputs)
                 with guard.batch() if guard is not None else contextlib.nullcontext():  # whole batches only
                     metric.update(outputs, targets, ids)
                     coverage.update(ids)
@@ -115,6 +123,8 @@ def evaluate_shard(model: torch.nn.Module, dataset, metric: Metric, coverage: Sa
                     status.update(samples_done=out.samples, batches_done=out.batches)
                 if on_batch:
                     on_batch(out.batches, out.samples)
+                if faults:
+                    faults.on_batch(out.batches)
     except DistevalError as exc:
         raise _unwrap_worker_error(exc) from exc
     out.seconds_forward = time.perf_counter() - t0
@@ -313,6 +323,103 @@ class PeerWatch:
             time.sleep(0.2)
 
 
+def _checkpoint(path, metric: Metric, coverage: SampleIdCoverage, key: dict, samples_done: Callable[[], int]) -> None:
+    save_checkpoint(path, {k: v for k, (v, _) in metric.states().items()}, coverage.runs(), samples_done(), key)
+
+
+def _one_pass(cfg: Any, run_dir: str, rank: int, world_size: int, status: StatusWriter, comm: Communicator,
+              dataset, model, metric: Metric, coverage: SampleIdCoverage, *, device, collate_fn, forward, skip: int,
+              guard, sampler: str, faults, policy: SyncPolicy, seconds_load: float,
+              make_metric: Callable[[], Metric]) -> dict:
+    """One trial of a rank: evaluate the shard, synchronise, check coverage, find outlier ranks and (opt-in)
+    synchronise once more without them. Returns {metrics (rank 0), coverage, rows, outliers, exclusion,
+    seconds_forward, seconds_sync}."""
+    from disteval import report
+
+    progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
+    watch = PeerWatch(run_dir, world_size, float(cfg.communication.timeout_s), progress,
+                      started=status.record["t_start"]) if rank == 0 and world_size > 1 else None
+    with progress:
+        with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states
+            outcome = evaluate_shard(
+                model, dataset, metric, coverage, rank=rank, world_size=world_size,
+                batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
+                precision=cfg.precision, status=status,
+                on_batch=(lambda b, s: watch.maybe_check()) if watch else
+                (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward,
+                skip=skip, guard=guard, sampler=sampler, faults=faults)
+        status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
+        if watch:
+            watch.wait_all_in_sync()
+        local = metric.local_summary()
+        if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
+            comm.set_timeout(float(cfg.communication.sync_timeout_s))
+        t_sync = time.perf_counter()
+        fields = {**local, "rank": rank, "start": outcome.start, "end": outcome.end,
+                  "samples": outcome.samples, "batches": outcome.batches, "seconds_load": seconds_load,
+                  "seconds_forward": outcome.seconds_forward}
+        row = [float("nan") if fields[k] is None else float(fields[k]) for k in report.ROW_FIELDS]
+        if cfg.eval.get("save_predictions") and hasattr(metric, "predictions"):
+            atomic_write_json(rank_dir(run_dir, rank) / "predictions.json", metric.predictions())
+        exclude = bool(cfg.eval.get("exclude_outlier_ranks"))
+        local_states = {k: v.clone() for k, (v, _) in metric.states().items()} if exclude else None
+        local_runs = coverage.runs() if exclude else None
+        runs, rows = synchronise(metric, coverage, comm, row, policy)
+        outliers = _outliers(rows, cfg)
+        exclusion = None
+        final = metric
+        if exclude and outliers["outliers"]:
+            # every rank holds the same gathered rows, so every rank takes the same decision (no collective)
+            final = make_metric()
+            kept = SampleIdCoverage()
+            if rank not in outliers["outliers"]:
+                final.load_synced(local_states)
+                kept.update_runs(local_runs)
+            kept_runs, _ = synchronise(final, kept, comm, row, policy)
+            exclusion = {"ranks": outliers["outliers"], "runs": kept_runs}
+        seconds_sync = time.perf_counter() - t_sync
+        progress.finish()
+    out = {"rows": rows, "outliers": outliers, "exclusion": None, "seconds_forward": outcome.seconds_forward,
+           "seconds_sync": seconds_sync, "metrics": None, "coverage": None}
+    if rank == 0:
+        cov = check_coverage(runs, len(dataset))
+        if sampler == "exact":
+            raise_if_incomplete(cov)
+        elif not cov.ok:
+            log.warning("data.sampler=%s: %s", sampler, cov.message())
+        out["coverage"], out["metrics"] = cov, final.compute()
+        if exclusion is not None:
+            out["exclusion"] = _exclusion_record(exclusion, rows, metric.compute(), len(dataset), run_dir)
+    return out
+
+
+def _outliers(rows: list[list[float]], cfg: Any) -> dict:
+    """Outlier ranks by the modified z-score of their local top-1 accuracy (``disteval.metrics.robust``)."""
+    from disteval import report
+
+    fields = [dict(zip(report.ROW_FIELDS, r)) for r in rows]
+    acc = [None if f["accuracy"] != f["accuracy"] else f["accuracy"] for f in fields]
+    return rank_outliers(acc, [int(f["samples"]) for f in fields], float(cfg.eval.get("outlier_z", 3.5)))
+
+
+def _exclusion_record(exclusion: dict, rows: list[list[float]], all_metrics: dict, num_samples: int,
+                      run_dir: str) -> dict:
+    """What ``eval.exclude_outlier_ranks`` left out: ranks, hosts, their shards and sample count, and the
+    metrics with every rank. Raises CoverageError if the kept ids are not exactly the other ranks' shards."""
+    from disteval import report
+    from disteval.errors import CoverageError
+
+    fields = {int(r[0]): dict(zip(report.ROW_FIELDS, r)) for r in rows}
+    left = sum(int(fields[r]["samples"]) for r in exclusion["ranks"])
+    cov = check_coverage(exclusion["runs"], num_samples)
+    if cov.duplicated or cov.out_of_range or cov.missing != left:
+        raise CoverageError(f"after excluding outlier ranks {exclusion['ranks']}: expected exactly {left} ids left "
+                            f"out, {cov.message()}")
+    return {"ranks": exclusion["ranks"], "hosts": [(read_status(run_dir, r) or {}).get("host") for r in exclusion["ranks"]],
+            "shards": [[int(fields[r]["start"]), int(fields[r]["end"])] for r in exclusion["ranks"]],
+            "samples_left_out": left, "samples_kept": num_samples - left, "metrics_all_ranks": all_metrics}
+
+
 def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
     """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
     the coverage check, results.json and the console report. Returns the results dict on rank 0.
@@ -335,7 +442,12 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         t_total = time.perf_counter()
         device = resolve_device(cfg.dist.device, env.local_rank if env else 0)
         backend = resolve_backend(cfg.communication.backend, device)
+        status.update(force=True, config_digest=report.config_digest(cfg), rendezvous={
+            "backend": backend, "master_addr": os.environ.get("MASTER_ADDR") if env else None,
+            "master_port": int(os.environ["MASTER_PORT"]) if env and os.environ.get("MASTER_PORT") else None,
+            "timeout_s": float(cfg.communication.timeout_s)})
         init_process_group(backend, cfg.communication.timeout_s, env)
+        status.update(force=True, joined=time.time())
         cc = cfg.communication
         comm = Communicator("cpu" if backend == "gloo" else device,
                             on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}),
@@ -378,59 +490,54 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             num_classes = resolve_num_classes(cfg.model, data_classes)
             model = build_model(cfg.model, num_classes, seed=cfg.seed).to(device)
             metric = build_metric(cfg, num_classes)
-        coverage = SampleIdCoverage()
+        faults = FaultPlan(rank)
+        if faults and model is not None:
+            faults.on_model(model)
         seconds_load = time.perf_counter() - t_load
-        progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
-        watch = PeerWatch(run_dir, world_size, float(cfg.communication.timeout_s), progress,
-                          started=status.record["t_start"]) if rank == 0 and world_size > 1 else None
+        trials, sampler = int(cfg.eval.get("trials", 1)), str(cfg.data.get("sampler", "exact"))
         # preemption: resume from this rank's checkpoint, and write one when SLURM signals the job
+        # (single-trial exact runs only: a checkpoint holds one pass over one exact shard)
         ckpt_path = rank_dir(run_dir, rank) / CHECKPOINT
         start, end = shard_bounds(len(dataset), world_size, rank)
         key = {"config": report.config_digest(cfg), "world_size": world_size, "rank": rank, "shard": [start, end],
                "job": os.environ.get("SLURM_JOB_ID")}  # a requeued job keeps its id; another job never matches
-        ckpt = load_checkpoint(ckpt_path, key)
-        skip = 0
-        if ckpt is not None:
-            metric.load_synced(ckpt["states"])
-            coverage.update_runs(ckpt["runs"])
-            skip = int(ckpt["samples_done"])
-            log.info("resuming from %s: %d of %d samples already counted", ckpt_path, skip, end - start)
-        guard = PreemptionGuard(lambda: save_checkpoint(ckpt_path, {k: v for k, (v, _) in metric.states().items()},
-                                                        coverage.runs(), guard.samples_done, key))
-        with progress:
-            with guard:  # only while evaluating: a checkpoint never holds synchronised states
-                outcome = evaluate_shard(
-                    model, dataset, metric, coverage, rank=rank, world_size=world_size,
-                    batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, device=device,
-                    precision=cfg.precision, status=status,
-                    on_batch=(lambda b, s: watch.maybe_check()) if watch else
-                    (lambda b, s: progress.refresh_from([{"samples_done": s}])), collate_fn=collate_fn, forward=forward,
-                    skip=skip, guard=guard)
-            status.update(phase="sync", samples_done=outcome.samples, batches_done=outcome.batches, force=True)
-            if watch:
-                watch.wait_all_in_sync()
-            local = metric.local_summary()
-            if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
-                comm.set_timeout(float(cfg.communication.sync_timeout_s))
-            t_sync = time.perf_counter()
-            fields = {**local, "rank": rank, "start": outcome.start, "end": outcome.end,
-                      "samples": outcome.samples, "batches": outcome.batches, "seconds_load": seconds_load,
-                      "seconds_forward": outcome.seconds_forward}
-            row = [float("nan") if fields[k] is None else float(fields[k]) for k in report.ROW_FIELDS]
-            if cfg.eval.get("save_predictions") and hasattr(metric, "predictions"):
-                atomic_write_json(rank_dir(run_dir, rank) / "predictions.json", metric.predictions())
-            runs, rows = synchronise(metric, coverage, comm, row, SyncPolicy.from_config(cfg.communication))
-            seconds_sync = time.perf_counter() - t_sync
-            progress.finish()
+        resumable = trials == 1 and sampler == "exact"
+        ckpt = load_checkpoint(ckpt_path, key) if resumable else None
+        policy = SyncPolicy.from_config(cfg.communication)
+        outcomes = []
+        for trial in range(trials):
+            if trial:
+                metric = build_metric(cfg, num_classes)
+            coverage = SampleIdCoverage()
+            skip = 0
+            if ckpt is not None:
+                metric.load_synced(ckpt["states"])
+                coverage.update_runs(ckpt["runs"])
+                skip = int(ckpt["samples_done"])
+                log.info("resuming from %s: %d of %d samples already counted", ckpt_path, skip, end - start)
+            guard = PreemptionGuard(functools.partial(
+                _checkpoint, ckpt_path, metric, coverage, key, lambda: guard.samples_done)) if resumable else None
+            if trials > 1:
+                log.info("trial %d of %d", trial + 1, trials)
+            outcomes.append(_one_pass(cfg, run_dir, rank, world_size, status, comm, dataset, model, metric, coverage,
+                                      device=device, collate_fn=collate_fn, forward=forward, skip=skip, guard=guard,
+                                      sampler=sampler, faults=faults, policy=policy, seconds_load=seconds_load,
+                                      make_metric=lambda: build_metric(cfg, num_classes)))
+            status.update(trial=trial + 1, force=True)
         results = None
         if rank == 0:
-            cov = check_coverage(runs, len(dataset))
-            raise_if_incomplete(cov)
+            last = outcomes[-1]
+            metrics, trial_summary = summarize_trials([o["metrics"] for o in outcomes], cfg.eval.trial_aggregate,
+                                                      float(cfg.eval.clip_sigma))
             results = report.build_results(
                 cfg, run_dir=run_dir, world_size=world_size, num_samples=len(dataset), num_classes=num_classes,
-                metrics=metric.compute(), coverage=cov, rows=rows, comm=comm.stats(), backend=backend,
-                device=str(device), timings={"load": seconds_load, "forward": outcome.seconds_forward,
-                                             "sync": seconds_sync, "total": time.perf_counter() - t_total})
+                metrics=metrics, coverage=last["coverage"], rows=last["rows"], comm=comm.stats(), backend=backend,
+                device=str(device), timings={"load": seconds_load, "forward": sum(o["seconds_forward"] for o in outcomes),
+                                             "sync": sum(o["seconds_sync"] for o in outcomes),
+                                             "total": time.perf_counter() - t_total},
+                extra={"sampler": sampler, "exact": sampler == "exact" and last["coverage"].ok,
+                       "trials": trial_summary if trials > 1 else None, "outliers": last["outliers"],
+                       "exclusion": last["exclusion"]})
             report.write_results(run_dir, results)
             report.print_metrics(results)
         status.update(phase="done", force=True)

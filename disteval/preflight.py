@@ -11,7 +11,9 @@ import torch
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.data.datasets import check_data_root, dataset_num_classes, input_shape, prepare_data
 from disteval.errors import ConfigError
+from disteval.data.sharding import SAMPLERS
 from disteval.metrics import METRIC_FAMILIES
+from disteval.metrics.robust import AGGREGATES
 from disteval.models import preflight_model, resolve_num_classes
 from disteval.precision import check_metric_dtypes, model_dtype_name
 
@@ -39,8 +41,18 @@ def validate_config(cfg: Any) -> None:
         if (value is None and not nullable) or (value is not None and value < low):
             raise ConfigError(f"communication.{key}", f"must be an integer >= {low}"
                               f"{' or null' if nullable else ''}, got {value}")
-    if cfg.eval.trials != 1:
-        raise ConfigError("eval.trials", "only eval.trials=1 is implemented in this version")
+    if cfg.eval.trials < 1:
+        raise ConfigError("eval.trials", f"must be >= 1, got {cfg.eval.trials}")
+    if cfg.eval.trial_aggregate not in AGGREGATES:
+        raise ConfigError("eval.trial_aggregate", f"{cfg.eval.trial_aggregate!r} is not one of {list(AGGREGATES)}")
+    for key in ("clip_sigma", "outlier_z"):
+        if not (math.isfinite(float(cfg.eval[key])) and float(cfg.eval[key]) > 0):
+            raise ConfigError(f"eval.{key}", f"must be a finite number > 0, got {cfg.eval[key]}")
+    if cfg.data.sampler not in SAMPLERS:
+        raise ConfigError("data.sampler", f"{cfg.data.sampler!r} is not one of {list(SAMPLERS)}")
+    if cfg.eval.exclude_outlier_ranks and "classification" not in cfg.eval.metrics:
+        raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from per-rank top-1 accuracy: "
+                          "it needs classification in eval.metrics")
     sync_t = cfg.communication.sync_timeout_s
     if sync_t is not None and (not math.isfinite(sync_t) or sync_t <= 0):
         raise ConfigError("communication.sync_timeout_s", f"must be a finite number of seconds > 0 or null, got {sync_t}")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -85,9 +86,10 @@ def versions() -> dict:
 
 def build_results(cfg: Any, *, run_dir: str, world_size: int, num_samples: int, num_classes: int, metrics: dict,
                   coverage, rows: list[list[float]], comm: dict, backend: str, device: str,
-                  timings: dict) -> dict:
+                  timings: dict, extra: dict | None = None) -> dict:
     """Assemble the results.json record (see module docstring). ``rows`` are the per-rank float rows of
-    ``ROW_FIELDS`` gathered at synchronisation."""
+    ``ROW_FIELDS`` gathered at synchronisation; ``extra`` adds top-level fields (sampler, exact, trials,
+    outliers, exclusion)."""
     per_rank = []
     for row in rows:
         r = dict(zip(ROW_FIELDS, row))
@@ -119,11 +121,13 @@ def build_results(cfg: Any, *, run_dir: str, world_size: int, num_samples: int, 
         "throughput": {"images_per_s": num_samples / slowest if slowest > 0 else None},
         "comm": dict(comm, backend=backend, profile=_plain(cfg.get("communication_profile"))),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
-                      "deterministic": bool(cfg.precision.deterministic)},
+                      "deterministic": bool(cfg.precision.deterministic),
+                      "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)},
         "device": device,
         "versions": versions(),
         "config_digest": config_digest(cfg),
         "created": time.time(),
+        **(extra or {}),
     })
 
 
@@ -219,4 +223,33 @@ def print_metrics(results: dict, console: Console | None = None) -> None:
             ranks.add_row(str(p["rank"]), str(p["host"]), f"[{p['shard'][0]}, {p['shard'][1]})", str(p["samples"]),
                           "n/a" if ips is None else f"{ips:,.0f}", _fmt(p["metrics"]["accuracy"]))
         console.print(ranks)
+    _print_robustness(console, results)
     console.print(f"results: {Path(results['run_dir']) / 'results.json'}", soft_wrap=True)
+
+
+def _print_robustness(console: Console, results: dict) -> None:
+    """Trials (mean ± std, median / MAD, sigma-clipped mean), outlier ranks, excluded samples, inexact sampler."""
+    trials = results.get("trials")
+    if trials:
+        table = Table(title=f"{trials['k']} trials ({'identical' if trials['agree'] else 'disagree: ' + trials['aggregate'] + ' reported'})")
+        for col in ("metric", "mean ± std", "median (MAD)", "sigma-clipped mean (dropped)", "spread"):
+            table.add_column(col, justify="right")
+        for name, st in trials["stats"].items():
+            table.add_row(name, f"{st['mean']:.4f} ± {st['std']:.2g}", f"{st['median']:.4f} ({st['mad']:.2g})",
+                          f"{st['sigma_clip_mean']:.4f} ({st['dropped']})", f"{st['spread']:.2g}")
+        console.print(table)
+    out = results.get("outliers") or {}
+    hosts = {p["rank"]: p["host"] for p in results["per_rank"]}
+    for r in out.get("outliers") or []:
+        console.print(f"[yellow]outlier rank:[/] rank {r} on {hosts.get(r)}: local accuracy z = {out['z'][r]:+.1f} "
+                      f"(modified z-score, median {out['median']:.4f}, |z| > {out['threshold']:g})", soft_wrap=True)
+    ex = results.get("exclusion")
+    if ex:
+        console.print(f"[bold yellow]excluded ranks {ex['ranks']}:[/] the metrics above leave out "
+                      f"{ex['samples_left_out']} of {results['dataset']['num_samples']} samples (shards {ex['shards']})",
+                      soft_wrap=True)
+    if not results.get("exact", True):
+        cov = results["coverage"]
+        console.print(f"[bold red]inexact:[/] data.sampler={results.get('sampler')} left {cov['missing']} samples out "
+                      f"and counted {cov['duplicated']} twice; these metrics differ from a single-process run "
+                      "(data.sampler=exact)", soft_wrap=True)

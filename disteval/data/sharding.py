@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
+
+SAMPLERS = ("exact", "padded", "drop_last")
 
 
 def shard_bounds(num_samples: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -43,3 +45,26 @@ class ExactShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.end - self.start - self.skip
+
+
+def build_sampler(kind: str, num_samples: int, world_size: int, rank: int, skip: int = 0) -> Sampler[int]:
+    """``exact`` -> ExactShardSampler; ``padded`` / ``drop_last`` -> torch's ``DistributedSampler(shuffle=False,
+    drop_last=...)``, which repeats the first samples so that every rank gets ceil(N/W) of them, or drops the
+    last N % W (kept only to reproduce other tools' biased numbers; the coverage check reports the damage).
+    Raises ValueError for an unknown kind or a ``skip`` with a non-exact sampler (no resume there)."""
+    if kind == "exact":
+        return ExactShardSampler(num_samples, world_size, rank, skip=skip)
+    if kind not in SAMPLERS:
+        raise ValueError(f"data.sampler: {kind!r} is not one of {list(SAMPLERS)}")
+    if skip:
+        raise ValueError("resuming (skip > 0) needs data.sampler=exact")
+    return DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=False,
+                              drop_last=kind == "drop_last")
+
+
+def sampler_span(sampler: Sampler[int]) -> tuple[int, int]:
+    """``[start, end)`` of an exact shard; for other samplers the smallest range holding their indices."""
+    if isinstance(sampler, ExactShardSampler):
+        return sampler.start, sampler.end
+    idx = list(iter(sampler))
+    return (min(idx), max(idx) + 1) if idx else (0, 0)

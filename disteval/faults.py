@@ -1,0 +1,99 @@
+"""Fault injection for failure drills: really kill, delay or perturb one rank of a real run.
+
+The doctor's tests (and anyone rehearsing an incident) set the environment variable ``DISTEVAL_FAULTS`` to a
+``;``-separated list of faults, each ``KIND@RANKS:key=value,...`` with RANKS a rank, ``a,b`` ranks or ``*``::
+
+    DISTEVAL_FAULTS="kill@1:batch=2"               rank 1 sends itself SIGKILL after its 2nd batch
+    DISTEVAL_FAULTS="delay@1:batch=1,seconds=10"   rank 1 sleeps 10 s after its 1st batch (a straggler)
+    DISTEVAL_FAULTS="noise@*:std=0.5"              every rank adds unseeded N(0, std^2) noise to its logits
+                                                   (a nondeterministic model: repeated trials disagree)
+    DISTEVAL_FAULTS="weights@2:std=0.5"            rank 2 perturbs its weights by N(0, std^2) (a node that
+                                                   loaded a different checkpoint)
+
+Nothing happens when the variable is unset. A malformed value raises ValueError naming the variable, so a
+drill never runs silently without its fault. Faults act only in ranks of ``python -m disteval`` (and probes),
+never in library calls.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+ENV = "DISTEVAL_FAULTS"
+KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"}}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``kind`` (kill | delay | noise | weights), the ``ranks`` it hits (None = all) and
+    its parameters (batch: 1-based batch index after which it fires; seconds; std)."""
+
+    kind: str
+    ranks: frozenset[int] | None
+    params: dict = field(default_factory=dict)
+
+    def hits(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def parse(text: str | None) -> list[Fault]:
+    """Parse a ``DISTEVAL_FAULTS`` value (see the module docstring). Raises ValueError on malformed input."""
+    faults = []
+    for item in filter(None, (s.strip() for s in (text or "").split(";"))):
+        head, _, args = item.partition(":")
+        kind, _, ranks = head.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; kinds: {sorted(KINDS)}")
+        try:
+            chosen = None if ranks in ("", "*") else frozenset(int(r) for r in ranks.split(","))
+            params = {k.strip(): float(v) for k, v in (a.split("=", 1) for a in args.split(",") if a.strip())}
+        except ValueError:
+            raise ValueError(f"{ENV}: cannot parse {item!r}; expected KIND@RANKS:key=value,...") from None
+        unknown = set(params) - KINDS[kind]
+        if unknown:
+            raise ValueError(f"{ENV}: {kind} takes {sorted(KINDS[kind])}, not {sorted(unknown)} ({item!r})")
+        faults.append(Fault(kind, chosen, params))
+    return faults
+
+
+class FaultPlan:
+    """The faults of this rank, applied at the engine's hooks (model built, outputs computed, batch done)."""
+
+    def __init__(self, rank: int, text: str | None = None):
+        self.rank = rank
+        self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text) if f.hits(rank)]
+        self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def on_model(self, model: torch.nn.Module) -> None:
+        """``weights``: add N(0, std^2) noise to every floating parameter (fixed per run: seeded by the rank)."""
+        gen = torch.Generator().manual_seed(1000 + self.rank)
+        for f in self.faults:
+            if f.kind == "weights":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.is_floating_point():
+                            p.add_(torch.randn(p.shape, generator=gen).to(p) * f.params.get("std", 0.5))
+
+    def on_outputs(self, outputs):
+        """``noise``: add unseeded noise to a logits tensor (fresh entropy every run and trial)."""
+        for f in self.faults:
+            if f.kind == "noise" and torch.is_tensor(outputs):
+                outputs = outputs + torch.randn(outputs.shape, generator=self._rng).to(outputs) * f.params.get("std", 0.5)
+        return outputs
+
+    def on_batch(self, batches_done: int) -> None:
+        """``kill``: SIGKILL this process after batch ``batch``; ``delay``: sleep ``seconds`` after it."""
+        for f in self.faults:
+            if int(f.params.get("batch", 1)) != batches_done:
+                continue
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "delay":
+                time.sleep(f.params.get("seconds", 10.0))
