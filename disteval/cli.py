@@ -7,6 +7,7 @@ that rank instead of spawning ranks.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -21,7 +22,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from disteval.comm.profiles import apply_profile
 from disteval.config import DistevalConfig, conf_dir, register_schemas
 from disteval.errors import ConfigError, DistevalError, RankFailedError, RunInterrupted
-from disteval.records import archive_previous_records
+from disteval.records import LaunchRecord, archive_previous_records
 
 register_schemas()
 _err = Console(stderr=True)
@@ -54,10 +55,7 @@ def job_container(cfg: DictConfig) -> dict:
 
 def run(cfg: DictConfig) -> int:
     """Run one job from a composed config. Returns the process exit code."""
-    from disteval.comm import RankEnv, external_launch_detected
-    from disteval.engine import run_rank
-    from disteval.preflight import preflight
-    from launchers.local import launch_local
+    from disteval.comm import external_launch_detected
 
     hc = HydraConfig.get()
     launcher = str(hc.runtime.choices.get("hydra/launcher") or "")
@@ -68,6 +66,30 @@ def run(cfg: DictConfig) -> int:
         return 2
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
+    record = None
+    if not external:
+        record = LaunchRecord(run_dir, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
+                              overrides=list(hc.overrides.task), hydra_launcher=launcher or "basic",
+                              world_size=int(cfg.dist.world_size), master_addr=str(cfg.dist.master_addr),
+                              master_port=int(cfg.dist.master_port))
+    try:
+        code, error = _run(cfg, run_dir, external, record)
+    except BaseException as exc:  # an unexpected error still leaves a finished record
+        if record is not None:
+            record.finish("failed", 1, exc)
+        raise
+    if record is not None:
+        outcome = {0: "ok", 2: "config_error", 130: "interrupted"}.get(code, "failed")
+        record.finish(outcome, code, error)
+    return code
+
+
+def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, BaseException | None]:
+    from disteval.comm import RankEnv
+    from disteval.engine import run_rank
+    from disteval.preflight import preflight
+    from launchers.local import launch_local
+
     try:
         container = job_container(cfg)
         job = OmegaConf.create(container)
@@ -78,9 +100,10 @@ def run(cfg: DictConfig) -> int:
                 _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
         if not external:
             archive_previous_records(run_dir)
+            record.write()
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
-        return 2
+        return 2, exc
     try:
         if external:
             env = RankEnv.from_env()
@@ -97,17 +120,17 @@ def run(cfg: DictConfig) -> int:
             launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
     except RunInterrupted as exc:
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
-        return 130
+        return 130, exc
     except RankFailedError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
         _err.print(f"traceback and progress: {run_dir}/ranks/{where}/status.json; log: "
                    f"{run_dir}/ranks/{where}/log.txt", soft_wrap=True, highlight=False)
-        return 1
+        return 1, exc
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
-        return 1
-    return 0
+        return 1, exc
+    return 0, None
 
 
 _composed = False

@@ -29,8 +29,9 @@ class CoverageError(DistevalError):
 class RankFailedError(DistevalError):
     """A rank of a distributed run failed. ``rank`` is the culprit (earliest non-network error)."""
 
-    def __init__(self, rank: int | None, message: str):
+    def __init__(self, rank: int | None, message: str, deaths: dict[int, str] | None = None):
         self.rank = rank
+        self.deaths = deaths or {}  # rank -> how the launcher saw it end ("was killed by SIGKILL")
         super().__init__(message)
 
 

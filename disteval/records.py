@@ -153,6 +153,49 @@ class StatusWriter:
         self._last_write = time.time()
 
 
+LAUNCH_RECORD = "launch.json"
+
+
+class LaunchRecord:
+    """The driver's record of one ``python -m disteval`` invocation, ``RUN_DIR/launch.json`` (atomic):
+    schema_version, argv (a command that reruns it), cwd, overrides (Hydra's task overrides), hydra_launcher,
+    world_size, master_addr, master_port, host, pid, t_start, and at the end outcome (running | ok |
+    config_error | failed | interrupted), exit_code, t_end and error {type, message, key (config errors), rank
+    (the culprit), deaths {rank: how the launcher saw it end}}. It is what diagnostics reads when no rank ever
+    started (a port in use, a bad config) and how it reruns the job."""
+
+    def __init__(self, run_dir: str | os.PathLike, **fields: Any):
+        self.path = Path(run_dir) / LAUNCH_RECORD
+        self.record = {"schema_version": SCHEMA_VERSION, "host": socket.gethostname(), "pid": os.getpid(),
+                       "t_start": time.time(), "outcome": "running", **fields}
+
+    def write(self) -> None:
+        try:
+            atomic_write_json(self.path, json_safe(self.record))
+        except OSError:  # the records are for diagnosis; never turn a run's outcome into an I/O error
+            pass
+
+    def finish(self, outcome: str, exit_code: int, error: BaseException | None = None) -> None:
+        """Record the outcome; ``error``'s type and message (and ``key``, ``rank``, ``deaths`` when it has them)."""
+        self.record.update(outcome=outcome, exit_code=exit_code, t_end=time.time())
+        if error is not None:
+            err = {"type": type(error).__name__, "message": str(error)}
+            for attr in ("key", "rank", "deaths"):
+                if getattr(error, attr, None) is not None:
+                    value = getattr(error, attr)
+                    err[attr] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+            self.record["error"] = err
+        self.write()
+
+
+def read_launch(run_dir: str | os.PathLike) -> dict | None:
+    """``RUN_DIR/launch.json`` or None when absent or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / LAUNCH_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def json_safe(value: Any) -> Any:
     """Replace float NaN/inf by None recursively, so results are valid JSON (undefined metric = null)."""
     if isinstance(value, float):
@@ -169,7 +212,7 @@ def archive_previous_records(run_dir: str | os.PathLike) -> Path | None:
     ranks/ into ``run_dir/previous/<time>/`` so that nothing is lost and no stale record (another world
     size's rank folders, an old results.json) is mistaken for this run's. Returns the archive folder."""
     run_dir = Path(run_dir)
-    old = [p for p in (run_dir / "results.json", run_dir / "ranks") if p.exists()]
+    old = [p for p in (run_dir / "results.json", run_dir / "ranks", run_dir / LAUNCH_RECORD) if p.exists()]
     if not old:
         return None
     dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())

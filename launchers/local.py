@@ -50,7 +50,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     except ChildFailedError as exc:
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items()}
         culprit = find_culprit(run_dir, world_size, deaths)
-        raise RankFailedError(culprit.rank, culprit.message) from None
+        raise RankFailedError(culprit.rank, culprit.message, deaths) from None
     except SignalException as exc:  # the agent stopped every worker before re-raising
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
 
