@@ -1,0 +1,3 @@
+from diagnostics.cli import main
+
+main()

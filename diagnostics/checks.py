@@ -1,0 +1,476 @@
+"""The checks of each state of the troubleshooting flowchart. Each is a pure function of a ``Run`` (and the
+probe results, when --probe ran) returning a ``Finding``: pass / warn / fail / skipped, what was found, the
+evidence (file and field or line), at most one remedy, and the culprit rank when one is known.
+
+States, in the order the doctor walks them (the first failing one is the verdict):
+INIT (did every rank start, join and run), SHARDS (shard plan, coverage, sampler), CONVERGENCE (do trials
+agree; nondeterminism flags), COMM (timeouts, stragglers, mismatched collectives), RESULT (outlier ranks,
+implausible values).
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+from disteval.data.sharding import shard_bounds
+from disteval.metrics.robust import OUTLIER_Z, rank_outliers
+from disteval.records import is_network_error
+from launchers.culprit import find_culprit
+
+from diagnostics.evidence import Evidence, Run, traceback_frame
+from diagnostics.remedies import Remedy
+
+STATES = ("INIT", "SHARDS", "CONVERGENCE", "COMM", "RESULT")
+STATUSES = ("pass", "warn", "fail", "skipped", "crashed")
+
+
+@dataclass
+class Finding:
+    """The outcome of one check. ``status``: pass | warn | fail | skipped | crashed (the check itself raised)."""
+
+    state: str
+    check: str
+    status: str
+    finding: str
+    evidence: list[Evidence] = field(default_factory=list)
+    remedy: Remedy | None = None
+    culprit: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"state": self.state, "check": self.check, "status": self.status, "finding": self.finding,
+                "evidence": [e.as_dict() for e in self.evidence],
+                "remedy": self.remedy.as_dict() if self.remedy else None, "culprit_rank": self.culprit}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _status_ev(run: Run, r: int, fld: str) -> Evidence:
+    s = run.statuses.get(r) or {}
+    value = s
+    for part in fld.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return Evidence(f"ranks/rank{r}/status.json", repr(value)[:300], field=fld)
+
+
+def _error_ev(run: Run, r: int) -> list[Evidence]:
+    """The rank's error message, and the innermost traceback frame (file and line) when it has one."""
+    err = (run.statuses.get(r) or {}).get("error") or {}
+    out = [Evidence(f"ranks/rank{r}/status.json", f"{err.get('type')}: {str(err.get('message'))[:300]}",
+                    field="error.message")]
+    frame = traceback_frame(err.get("traceback", ""))
+    if frame:
+        out.append(Evidence(frame[0], "raised here", line=frame[1]))
+    return out
+
+
+def _errors(run: Run) -> dict[int, dict]:
+    return {r: s["error"] for r, s in run.statuses.items() if s and s.get("error")}
+
+
+def _culprit(run: Run):
+    if not run.failed or not run.world_size:
+        return None
+    return find_culprit(str(run.path), run.world_size, run.deaths())
+
+
+_STALL = re.compile(r"stalled|never wrote a status record|timed out|timeout|deadline", re.I)
+_INIT_PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use|already in use", re.I)
+_INIT_RESOLVE = re.compile(r"gaierror|Name or service not known|Temporary failure in name resolution|"
+                           r"nodename nor servname|cannot resolve|unknown host", re.I)
+_MISMATCH = re.compile(r"mismatch", re.I)
+
+
+def _int_value(override_value: str | None, default: float) -> float:
+    try:
+        return float(override_value) if override_value is not None else default
+    except ValueError:
+        return default
+
+
+# ------------------------------------------------------------------------------------------------ INIT
+def init_launch(run: Run, probes: dict | None) -> Finding:
+    """The driver's record: a configuration error before any rank started (port in use, bad address, a bad
+    key) or an interrupted run."""
+    launch = run.launch
+    if launch is None:
+        return Finding("INIT", "launch", "skipped", "no launch.json: the ranks were started by an external launcher "
+                       "(torchrun, SLURM) or by an older disteval")
+    err = launch.get("error") or {}
+    ev = [Evidence("launch.json", str(launch.get("outcome")), field="outcome")]
+    if launch.get("outcome") == "config_error":
+        key, message = err.get("key"), str(err.get("message"))
+        ev.append(Evidence("launch.json", message[:300], field="error.message"))
+        if key == "dist.master_port" or _INIT_PORT_IN_USE.search(message):
+            port = launch.get("master_port")
+            return Finding("INIT", "launch", "fail", f"port {port} on {launch.get('master_addr')} is already in use by "
+                           "another program, so the rendezvous could not be hosted; no rank started", ev,
+                           Remedy(["dist.master_port=0"], "let the rendezvous pick a free port"))
+        if key == "dist.master_addr" or _INIT_RESOLVE.search(message):
+            return Finding("INIT", "launch", "fail", f"the rendezvous address {launch.get('master_addr')!r} is not an "
+                           "address of this machine or cannot be resolved; no rank started", ev,
+                           Remedy(["dist.master_addr=127.0.0.1"], "host the rendezvous on this machine's loopback "
+                                  "address (single-node runs)"))
+        return Finding("INIT", "launch", "fail", f"configuration error before any rank started at {key or 'config'}: "
+                       f"{message[:200]}", ev)
+    if launch.get("outcome") == "interrupted":
+        return Finding("INIT", "launch", "warn", "the run was interrupted (SIGINT/SIGTERM); every rank was stopped", ev)
+    if launch.get("outcome") == "running":
+        return Finding("INIT", "launch", "warn", "launch.json says running: the driver is still running or was killed "
+                       "before it could record an outcome", ev)
+    return Finding("INIT", "launch", "pass", f"the driver launched {launch.get('world_size')} rank(s)", ev)
+
+
+def init_started(run: Run, probes: dict | None) -> Finding:
+    """Every rank 0..W-1 wrote a status record."""
+    if run.launch and run.launch.get("outcome") == "config_error":
+        return Finding("INIT", "started", "skipped", "no rank was launched (configuration error)")
+    size = run.world_size
+    if not size:
+        return Finding("INIT", "started", "skipped", "the world size is unknown (no launch, job, config or status record)")
+    missing = [r for r in range(size) if run.statuses.get(r) is None]
+    if missing:
+        return Finding("INIT", "started", "fail", f"rank(s) {missing} of {size} never started: no status record",
+                       [Evidence(f"ranks/rank{r}/status.json", "missing") for r in missing],
+                       Remedy([], "rerun unchanged: a task that never started is usually a scheduler or node problem"),
+                       culprit=missing[0])
+    return Finding("INIT", "started", "pass", f"all {size} ranks started")
+
+
+def init_joined(run: Run, probes: dict | None) -> Finding:
+    """Every rank joined the process group; for those that did not: port in use, unresolvable address, a rank
+    pointed at another port than rank 0's store, or a rank that never arrived."""
+    records = {r: s for r, s in run.statuses.items() if s}
+    if not records:
+        return Finding("INIT", "joined", "skipped", "no status records")
+    stuck = sorted(r for r, s in records.items() if not s.get("joined") and s.get("phase") in ("init", "failed")
+                   and (s.get("phase") == "init" or not s.get("samples_planned")))
+    rdv = {r: s.get("rendezvous") or {} for r, s in records.items()}
+    ports = {r: v.get("master_port") for r, v in rdv.items() if v.get("master_port") is not None}
+    addrs = {r: v.get("master_addr") for r, v in rdv.items() if v.get("master_addr")}
+    if ports and 0 in ports:
+        odd = sorted(r for r, p in ports.items() if p != ports[0])
+        if odd:
+            r = odd[0]
+            return Finding("INIT", "joined", "fail", f"rank {r} looked for the rendezvous at port {ports[r]}, but rank 0 "
+                           f"hosts it at port {ports[0]}: the ranks were launched with different MASTER_PORT values",
+                           [_status_ev(run, 0, "rendezvous.master_port"), _status_ev(run, r, "rendezvous.master_port")]
+                           + (_error_ev(run, r) if records[r].get("error") else []),
+                           Remedy([], f"start every rank with MASTER_PORT={ports[0]} (the value rank 0 used)",
+                                  env={"MASTER_PORT": str(ports[0])}), culprit=r)
+    if addrs and 0 in addrs:
+        odd = sorted(r for r, a in addrs.items() if a != addrs[0])
+        if odd:
+            r = odd[0]
+            return Finding("INIT", "joined", "fail", f"rank {r} looked for the rendezvous at {addrs[r]}, rank 0 at "
+                           f"{addrs[0]}: the ranks were launched with different MASTER_ADDR values",
+                           [_status_ev(run, 0, "rendezvous.master_addr"), _status_ev(run, r, "rendezvous.master_addr")],
+                           Remedy([], f"start every rank with MASTER_ADDR={addrs[0]}", env={"MASTER_ADDR": str(addrs[0])}),
+                           culprit=r)
+    if not stuck:
+        return Finding("INIT", "joined", "pass", f"all {len(records)} ranks joined the process group")
+    for r in stuck:
+        msg = str((records[r].get("error") or {}).get("message", ""))
+        if _INIT_PORT_IN_USE.search(msg):
+            return Finding("INIT", "joined", "fail", f"rank {r} could not host the rendezvous store: port "
+                           f"{ports.get(r)} is already in use", _error_ev(run, r),
+                           Remedy([], "start the ranks with a free MASTER_PORT"), culprit=r)
+        if _INIT_RESOLVE.search(msg):
+            return Finding("INIT", "joined", "fail", f"rank {r} cannot resolve the rendezvous address "
+                           f"{addrs.get(r)!r}", _error_ev(run, r),
+                           Remedy(["dist.master_addr=127.0.0.1"], "use an address every node can resolve"), culprit=r)
+    never = [r for r in stuck if not records[r].get("error")]
+    culprit = never[0] if never else stuck[0]
+    return Finding("INIT", "joined", "fail", f"rank(s) {stuck} never joined the process group",
+                   [_status_ev(run, r, "phase") for r in stuck] + (_error_ev(run, culprit) if records[culprit].get("error") else []),
+                   culprit=culprit)
+
+
+def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
+    """No rank died or raised an error of its own (the culprit by the earliest non-network error rule)."""
+    culprit = _culprit(run)
+    if culprit is None:
+        return Finding("INIT", "ranks_ran", "pass" if run.statuses else "skipped",
+                       "no rank failed" if run.statuses else "no status records")
+    if culprit.rank is None:
+        return Finding("INIT", "ranks_ran", "warn", culprit.message[:300])
+    s = run.statuses.get(culprit.rank) or {}
+    err = s.get("error") or {}
+    death = run.deaths().get(culprit.rank)
+    if any(e.get("blames") == culprit.rank for e in _errors(run).values()) and (not err or is_network_error(err)):
+        return Finding("INIT", "ranks_ran", "pass", f"rank {culprit.rank} stalled and a peer timed out waiting for it: "
+                       "a communication problem (see COMM)")
+    if err and not is_network_error(err) and err.get("blames") is None:
+        if err.get("type") == "CoverageError":
+            return Finding("INIT", "ranks_ran", "pass", f"rank {culprit.rank}'s coverage error is a shard problem (see SHARDS)")
+        return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} raised {err.get('type')}: "
+                       f"{str(err.get('message'))[:240]}", _error_ev(run, culprit.rank), culprit=culprit.rank)
+    if death and not err:
+        ev = [Evidence("launch.json", death, field=f"error.deaths.{culprit.rank}"),
+              _status_ev(run, culprit.rank, "phase"), _status_ev(run, culprit.rank, "samples_done")]
+        if "SIGKILL" in death:
+            bs = int(run.cfg("data.batch_size", 0) or 0)
+            remedy = Remedy([f"data.batch_size={max(1, bs // 2)}"] if bs > 1 else [],
+                            "SIGKILL without an error is most often the kernel's out-of-memory killer (see dmesg); "
+                            "a smaller batch needs less memory" if bs > 1 else "rerun; check dmesg for the OOM killer")
+        else:
+            remedy = Remedy([], "rerun unchanged: the rank was stopped from outside")
+        return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} {death} without recording an error, in phase "
+                       f"{s.get('phase')!r} after {s.get('samples_done')}/{s.get('samples_planned')} samples", ev, remedy,
+                       culprit=culprit.rank)
+    return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {culprit.rank}'s failure is "
+                   "a communication problem, see COMM)")
+
+
+def init_config_agree(run: Run, probes: dict | None) -> Finding:
+    """Every rank ran the same resolved configuration (sha256 digest in its status record)."""
+    digests = {r: s.get("config_digest") for r, s in run.statuses.items() if s and s.get("config_digest")}
+    if len(digests) < 2:
+        return Finding("INIT", "config_agree", "skipped", "fewer than two ranks recorded a config digest")
+    ref = digests.get(0, next(iter(digests.values())))
+    odd = sorted(r for r, d in digests.items() if d != ref)
+    if odd:
+        return Finding("INIT", "config_agree", "fail", f"rank(s) {odd} ran another configuration than rank 0 (different "
+                       "overrides per rank)", [_status_ev(run, 0, "config_digest")] + [_status_ev(run, r, "config_digest")
+                                                                                    for r in odd], culprit=odd[0])
+    return Finding("INIT", "config_agree", "pass", f"all {len(digests)} ranks ran the same configuration")
+
+
+# ---------------------------------------------------------------------------------------------- SHARDS
+def shards_plan(run: Run, probes: dict | None) -> Finding:
+    """Shard sizes from N, W, the batch size and the sampler; a padded or dropping sampler is a failure."""
+    size = run.world_size
+    n = (run.results or {}).get("dataset", {}).get("num_samples")
+    sampler = (run.results or {}).get("sampler") or run.cfg("data.sampler", "exact")
+    bs = run.cfg("data.batch_size")
+    if n is None or not size:
+        planned = [s.get("samples_planned") for s in run.statuses.values() if s]
+        if sampler == "exact" and planned and all(p is not None for p in planned) and len(planned) == size:
+            n = sum(planned)
+        else:
+            return Finding("SHARDS", "plan", "skipped", "the dataset length is unknown (no results.json and not every "
+                           "rank recorded its shard)")
+    if sampler in ("padded", "drop_last"):
+        per = math.ceil(n / size) if sampler == "padded" else n // size
+        delta = per * size - n
+        what = (f"repeats {delta} sample(s) so that every rank has {per}" if sampler == "padded"
+                else f"drops {-delta} sample(s) so that every rank has {per}")
+        return Finding("SHARDS", "plan", "fail" if delta else "warn",
+                       f"data.sampler={sampler} (torch's DistributedSampler) {what}: N={n}, W={size}"
+                       + ("" if delta else " (N is a multiple of W here, but not in general)"),
+                       [Evidence(".hydra/config.yaml", sampler, field="data.sampler")],
+                       Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"))
+    sizes = [shard_bounds(n, size, r) for r in range(size)]
+    sizes = [e - s for s, e in sizes]
+    ev = [Evidence("results.json" if run.results else "ranks/*/status.json", str(n), field="dataset.num_samples")]
+    bad = [r for r, s in run.statuses.items() if s and s.get("samples_planned") not in (None, sizes[r] if r < size else None)]
+    if bad:
+        r = bad[0]
+        return Finding("SHARDS", "plan", "fail", f"rank {r} planned {run.statuses[r]['samples_planned']} samples but its "
+                       f"exact shard of N={n}, W={size} holds {sizes[r]}: the ranks disagree on the dataset",
+                       ev + [_status_ev(run, r, "samples_planned")], culprit=r)
+    batches = [math.ceil(s / bs) if bs else None for s in sizes]
+    text = f"exact shards of N={n} over W={size}: {min(sizes)}..{max(sizes)} samples"
+    if bs:
+        text += f", {min(batches)}..{max(batches)} batches of {bs}"
+    empty = [r for r, s in enumerate(sizes) if s == 0]
+    if empty:
+        return Finding("SHARDS", "plan", "warn", text + f"; rank(s) {empty[:8]} hold no sample (W > N)", ev,
+                       Remedy([f"dist.world_size={max(1, n)}"], "no more ranks than samples"))
+    return Finding("SHARDS", "plan", "pass", text, ev)
+
+
+def shards_coverage(run: Run, probes: dict | None) -> Finding:
+    """Every sample id counted exactly once (results.json coverage, or a rank's CoverageError)."""
+    cov = (run.results or {}).get("coverage")
+    errs = {r: e for r, e in _errors(run).items() if e.get("type") == "CoverageError"}
+    sampler = (run.results or {}).get("sampler") or run.cfg("data.sampler", "exact")
+    remedy = Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once") if sampler != "exact" else None
+    if errs:
+        r = sorted(errs)[0]
+        return Finding("SHARDS", "coverage", "fail", f"coverage check failed on rank {r}: {errs[r]['message'][:240]}",
+                       _error_ev(run, r), remedy, culprit=None)
+    if cov is None:
+        return Finding("SHARDS", "coverage", "skipped", "no results.json (the run did not reach the coverage check)")
+    ev = [Evidence("results.json", f"missing={cov.get('missing')} duplicated={cov.get('duplicated')} "
+                   f"out_of_range={cov.get('out_of_range')}", field="coverage")]
+    if not cov.get("ok", True):
+        return Finding("SHARDS", "coverage", "fail", f"{cov.get('duplicated')} sample id(s) counted twice and "
+                       f"{cov.get('missing')} missing of N={cov.get('num_samples')}: the metrics are biased", ev, remedy)
+    return Finding("SHARDS", "coverage", "pass", f"every one of the {cov.get('num_samples')} sample ids counted once", ev)
+
+
+# ----------------------------------------------------------------------------------------- CONVERGENCE
+def convergence_trials(run: Run, probes: dict | None) -> Finding:
+    """Repeated trials (eval.trials) agree bit for bit."""
+    trials = (run.results or {}).get("trials")
+    if not trials:
+        k = run.cfg("eval.trials", 1)
+        return Finding("CONVERGENCE", "trials", "skipped", f"eval.trials={k}: no repeated trials to compare"
+                       + ("" if run.results else " (no results.json)"))
+    if trials["agree"]:
+        return Finding("CONVERGENCE", "trials", "pass", f"all {trials['k']} trials are identical",
+                       [Evidence("results.json", "true", field="trials.agree")])
+    name = "top1" if "top1" in trials["stats"] else trials["disagreeing"][0]
+    st = trials["stats"][name]
+    ev = [Evidence("results.json", str([round(v, 6) for v in trials["values"][name]]), field=f"trials.values.{name}"),
+          Evidence("results.json", f"{st['spread']:.3g}", field=f"trials.stats.{name}.spread")]
+    deterministic = bool(((run.results or {}).get("precision") or {}).get("deterministic",
+                                                                          run.cfg("precision.deterministic", False)))
+    finding = (f"{trials['k']} trials disagree on {len(trials['disagreeing'])} metric(s): {name} spans "
+               f"{min(trials['values'][name]):.4f}..{max(trials['values'][name]):.4f} (std {st['std']:.2g}); the "
+               f"reported value is their {trials['aggregate']}")
+    if not deterministic:
+        return Finding("CONVERGENCE", "trials", "fail", finding,
+                       ev + [Evidence(".hydra/config.yaml", "false", field="precision.deterministic")],
+                       Remedy(["precision.deterministic=true"], "deterministic algorithms, cuDNN benchmark and TF32 off"))
+    return Finding("CONVERGENCE", "trials", "fail", finding + "; deterministic algorithms were on, so the model or the "
+                   "data pipeline draws random numbers (dropout in train mode, random augmentation)", ev)
+
+
+def convergence_flags(run: Run, probes: dict | None) -> Finding:
+    """Settings that make results vary between runs: TF32, cuDNN benchmark, deterministic algorithms off."""
+    prec = (run.results or {}).get("precision") or {}
+    device = str((run.results or {}).get("device", run.cfg("dist.device", "")))
+    flags = []
+    if prec.get("tf32", run.cfg("precision.tf32", False)):
+        flags.append("precision.tf32=true")
+    if prec.get("cudnn_benchmark"):
+        flags.append("cudnn.benchmark on")
+    if not prec.get("deterministic", run.cfg("precision.deterministic", False)):
+        flags.append("precision.deterministic=false")
+    ev = [Evidence("results.json" if prec else ".hydra/config.yaml", ", ".join(flags) or "none", field="precision")]
+    if "cuda" in device and flags:
+        return Finding("CONVERGENCE", "flags", "warn", f"on {device}: {', '.join(flags)} can change results between runs",
+                       ev, Remedy(["precision.deterministic=true", "precision.tf32=false"], "bitwise reproducible forward"))
+    return Finding("CONVERGENCE", "flags", "pass", "no nondeterminism flag matters on " + (device or "this device")
+                   + (f" ({', '.join(flags)})" if flags else ""), ev)
+
+
+# ------------------------------------------------------------------------------------------------ COMM
+def comm_timeout(run: Run, probes: dict | None) -> Finding:
+    """A rank stalled or a collective timed out: the culprit, where it stopped, and a timeout that fits."""
+    culprit = _culprit(run)
+    errs = _errors(run)
+    timed = {r: e for r, e in errs.items() if _STALL.search(str(e.get("message", "")))}
+    if culprit is None or not timed:
+        return Finding("COMM", "timeout", "pass" if run.statuses else "skipped",
+                       "no collective timed out and no rank stalled" if run.statuses else "no status records")
+    r0 = sorted(timed)[0]
+    r = culprit.rank if culprit.rank is not None else r0
+    s = run.statuses.get(r) or {}
+    timeout = float(run.cfg("communication.timeout_s", (s.get("rendezvous") or {}).get("timeout_s", 300.0)) or 300.0)
+    phase = s.get("phase")
+    ev = _error_ev(run, r0)[:1] + [_status_ev(run, r, "phase"), _status_ev(run, r, "samples_done"),
+                                   _status_ev(run, r, "last_collective")]
+    suggested = max(4 * timeout, 60.0)
+    why = f"rank {r} was alive but slower than the {timeout:g} s timeout; allow {suggested:g} s"
+    if probes and probes.get("latency", {}).get("suggested_timeout_s"):
+        suggested = max(suggested, float(probes["latency"]["suggested_timeout_s"]))
+        why += f" (the latency probe suggests at least {probes['latency']['suggested_timeout_s']:g} s)"
+    overrides = [f"communication.timeout_s={suggested:g}"]
+    last = s.get("last_collective") or {}
+    compressible = "ranking" in (run.cfg("eval.metrics", []) or [])
+    if phase == "sync" and int(last.get("bytes") or 0) > 64 * 1024 * 1024 and compressible \
+            and run.cfg("communication.compression", "none") == "none":
+        overrides.append("communication.compression=fp16")
+        why += "; fp16 halves the gathered scores"
+    return Finding("COMM", "timeout", "fail", f"rank {r} stopped making progress in phase {phase!r} after "
+                   f"{s.get('samples_done')}/{s.get('samples_planned')} samples and its peers timed out after "
+                   f"{timeout:g} s (communication.timeout_s)", ev, Remedy(overrides, why), culprit=r)
+
+
+def comm_mismatch(run: Run, probes: dict | None) -> Finding:
+    """Ranks that issued different collectives (gloo/nccl report a mismatch)."""
+    hits = {r: e for r, e in _errors(run).items() if _MISMATCH.search(str(e.get("message", "")))}
+    if not hits:
+        return Finding("COMM", "mismatch", "pass" if run.statuses else "skipped", "no mismatched collectives reported")
+    r = sorted(hits)[0]
+    return Finding("COMM", "mismatch", "fail", f"rank {r} reported mismatched collectives", _error_ev(run, r),
+                   Remedy([], "rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL to name both calls (diagnostic reruns only: ~10x "
+                          "latency on small collectives)", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}), culprit=r)
+
+
+def comm_stragglers(run: Run, probes: dict | None) -> Finding:
+    """Spread of per-rank forward throughput (images/s): a rank at under half the median is a straggler."""
+    per = (run.results or {}).get("per_rank") or []
+    rates = {p["rank"]: p.get("images_per_s") for p in per if p.get("images_per_s") and p.get("samples", 0) >= 32}
+    if len(rates) < 2:
+        return Finding("COMM", "stragglers", "skipped", "fewer than two ranks with a measured throughput")
+    med = statistics.median(rates.values())
+    slow = {r: v for r, v in rates.items() if v < 0.5 * med}
+    ev = [Evidence("results.json", f"{v:,.0f} images/s", field=f"per_rank[{r}].images_per_s") for r, v in rates.items()]
+    if slow:
+        r = min(slow, key=slow.get)
+        host = next((p.get("host") for p in per if p["rank"] == r), None)
+        return Finding("COMM", "stragglers", "warn", f"rank {r} on {host} ran at {slow[r]:,.0f} images/s, under half "
+                       f"the median {med:,.0f}: the run waits for it", ev, culprit=r)
+    return Finding("COMM", "stragglers", "pass", f"per-rank throughput within 2x of the median {med:,.0f} images/s")
+
+
+# ---------------------------------------------------------------------------------------------- RESULT
+def result_outliers(run: Run, probes: dict | None) -> Finding:
+    """Per-rank local top-1 accuracies tested by modified z-score (``disteval.metrics.robust.rank_outliers``)."""
+    per = (run.results or {}).get("per_rank") or []
+    acc = [p.get("metrics", {}).get("accuracy") for p in per]
+    if not per or all(a is None for a in acc):
+        return Finding("RESULT", "outliers", "skipped", "no per-rank accuracies (no results.json, or detection metrics)")
+    threshold = float(run.cfg("eval.outlier_z", OUTLIER_Z) or OUTLIER_Z)
+    out = rank_outliers(acc, [p.get("samples", 0) for p in per], threshold)
+    if out["skipped"]:
+        return Finding("RESULT", "outliers", "skipped", out["skipped"])
+    ev = [Evidence("results.json", f"{a:.4f} (z {z:+.1f})", field=f"per_rank[{p['rank']}].metrics.accuracy")
+          for p, a, z in zip(per, acc, out["z"]) if a is not None and z is not None]
+    if not out["outliers"]:
+        return Finding("RESULT", "outliers", "pass", f"no outlier rank (all |z| <= {threshold:g}, median "
+                       f"{out['median']:.4f})", ev)
+    desc = ", ".join(f"rank {r} on {per[r].get('host')} (accuracy {acc[r]:.4f}, z {out['z'][r]:+.1f})"
+                     for r in out["outliers"])
+    excluded = (run.results or {}).get("exclusion")
+    if excluded:
+        return Finding("RESULT", "outliers", "warn", f"outlier {desc}; excluded as asked: the metrics leave out "
+                       f"{excluded['samples_left_out']} samples", ev, culprit=out["outliers"][0])
+    left = sum(per[r].get("samples", 0) for r in out["outliers"])
+    return Finding("RESULT", "outliers", "fail", f"outlier {desc} against median {out['median']:.4f}: a rank with other "
+                   "weights, data or hardware", ev,
+                   Remedy(["eval.exclude_outlier_ranks=true"], f"report metrics without the outlier rank(s), stating the "
+                          f"{left} samples left out (then fix that rank: its checkpoint file, data or device)"),
+                   culprit=out["outliers"][0])
+
+
+def result_sanity(run: Run, probes: dict | None) -> Finding:
+    """Values that cannot be right: non-finite or out-of-range metrics, a count that is not N, chance level."""
+    res = run.results
+    if not res:
+        return Finding("RESULT", "sanity", "skipped", "no results.json")
+    m = res.get("metrics") or {}
+    problems = []
+    for k in ("top1", "top5", "accuracy", "auroc_macro", "ap_macro", "AP", "AP50"):
+        v = m.get(k)
+        if k in m and (v is None or not 0.0 <= float(v) <= 1.0) and not (k.startswith("AP") and v == -1):
+            problems.append(f"{k}={v} is not in [0, 1]")
+    n = res.get("dataset", {}).get("num_samples")
+    left_out = int((res.get("exclusion") or {}).get("samples_left_out") or 0)
+    if n is not None and m.get("num_samples") not in (None, n - left_out):
+        problems.append(f"metrics.num_samples={m.get('num_samples')} but the dataset has {n}"
+                        + (f" and {left_out} were excluded" if left_out else ""))
+    if not res.get("exact", True):
+        problems.append(f"the run is marked inexact (data.sampler={res.get('sampler')})")
+    ev = [Evidence("results.json", str(m.get(k)), field=f"metrics.{k}") for k in ("top1", "AP", "auroc_macro") if k in m]
+    if problems:
+        return Finding("RESULT", "sanity", "fail", "; ".join(problems), ev)
+    c = res.get("dataset", {}).get("num_classes") or 0
+    if m.get("top1") is not None and c > 1 and float(m["top1"]) <= 1.5 / c:
+        return Finding("RESULT", "sanity", "warn", f"top-1 {m['top1']:.4f} is at chance level for {c} classes: wrong "
+                       "weights, a label mapping that does not match the model, or the wrong transform", ev)
+    return Finding("RESULT", "sanity", "pass", "metric values are finite, in range and count every sample", ev)
+
+
+CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
+    "INIT": [init_launch, init_started, init_joined, init_config_agree, init_ranks_ran],
+    "SHARDS": [shards_plan, shards_coverage],
+    "CONVERGENCE": [convergence_trials, convergence_flags],
+    "COMM": [comm_timeout, comm_mismatch, comm_stragglers],
+    "RESULT": [result_outliers, result_sanity],
+}

@@ -1,0 +1,90 @@
+"""``python -m diagnostics doctor RUN_DIR [--probe] [--apply] [--json] [--verbose]``.
+
+RUN_DIR is a run directory or a Hydra sweep directory (every job in it is diagnosed). Exit codes: 0 every
+run is healthy; 1 problems found (some check failed); 2 the doctor could not finish (no such directory, no
+records, unreadable config for --probe, or a check crashed while nothing failed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from diagnostics.apply import apply_remedies
+from diagnostics.evidence import find_runs, load_run
+from diagnostics.machine import diagnose
+from diagnostics.report import SCHEMA_VERSION, as_dict, print_diagnosis, remedy_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diagnostics", description="disteval's run doctor")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="diagnose a run or sweep directory",
+                         description="Walk INIT -> SHARDS -> CONVERGENCE -> COMM -> RESULT on a run's records; name "
+                                     "the first failing state, its evidence, the culprit rank and a remedy.")
+    doc.add_argument("run_dir", type=Path, help="a run directory (hydra.run.dir) or a sweep directory")
+    doc.add_argument("--probe", action="store_true", help="also launch live probes with the run's configuration "
+                     "(rendezvous, collective latency, shard balance, cross-rank drift)")
+    doc.add_argument("--apply", action="store_true", help="rerun with the remedy, retrying with backoff until healthy")
+    doc.add_argument("--max-attempts", type=int, default=3, help="--apply: most reruns (default 3)")
+    doc.add_argument("--backoff-s", type=float, default=2.0, help="--apply: seconds before the 2nd rerun, doubling")
+    doc.add_argument("--attempt-timeout-s", type=float, default=3600.0, help="--apply: seconds one rerun may take")
+    doc.add_argument("--json", action="store_true", help="print the diagnosis as JSON (schema in diagnostics/report.py)")
+    doc.add_argument("--verbose", "-v", action="store_true", help="also list skipped checks")
+    return parser
+
+
+def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]:
+    """Diagnose every run under ``args.run_dir``; returns (exit code, JSON objects of the runs)."""
+    out, code = [], 0
+    for path in find_runs(args.run_dir):
+        run = load_run(path)
+        probes = None
+        if args.probe:
+            from diagnostics.probes import run_probes
+
+            probes = run_probes(run, path / "doctor" / f"probe-{time.strftime('%Y%m%d-%H%M%S')}")
+        diag = diagnose(run, probes)
+        attempts: list[dict] = []
+        if not args.json:
+            print_diagnosis(diag, console, args.verbose)
+        if args.apply and diag.verdict is not None:
+            log = (lambda m: None) if args.json else (lambda m: console.print(f"[cyan]doctor --apply:[/] {m}",
+                                                                              soft_wrap=True, highlight=False))
+            final, attempts = apply_remedies(diag, max_attempts=args.max_attempts, backoff_s=args.backoff_s,
+                                             timeout_s=args.attempt_timeout_s, log=log)
+            if not args.json:
+                print_diagnosis(final, console, args.verbose)
+            run_code = 0 if attempts and attempts[-1]["fixed"] else max(1, final.exit_code)
+        elif not args.json and diag.remedy is not None:
+            console.print(f"[dim]apply it with: python -m diagnostics doctor {path} --apply[/]", soft_wrap=True,
+                          highlight=False)
+            run_code = diag.exit_code
+        else:
+            run_code = diag.exit_code
+        out.append(as_dict(diag, probes, attempts))
+        code = max(code, run_code)
+    return code, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        code, runs = doctor(args, console)
+    except (FileNotFoundError, ValueError) as exc:
+        if args.json:
+            print(json.dumps({"schema_version": SCHEMA_VERSION, "exit_code": 2, "error": str(exc), "runs": []}))
+        else:
+            Console(stderr=True).print(f"[bold red]doctor: cannot diagnose[/] {exc}", soft_wrap=True, highlight=False)
+        sys.exit(2)
+    if args.json:
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "exit_code": code, "runs": runs}, indent=2, default=str))
+    sys.exit(code)
+
+
+__all__ = ["main", "doctor", "remedy_command"]

@@ -1,0 +1,160 @@
+"""What the doctor reads: a run directory's records, loaded once and never modified.
+
+A run directory (DESIGN.md "Run directory") holds ``.hydra/{config,overrides}.yaml`` (Hydra),
+``launch.json`` (the driver), ``job.json`` (the submitit launcher), ``ranks/rank{r}/status.json`` and
+``results.json``. Any of them may be missing or unreadable: the run died early, or the records are from an
+external launcher. ``Evidence`` points at the file and field (or line) a finding rests on.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from disteval.records import read_launch, read_status
+
+
+@dataclass
+class Evidence:
+    """One fact behind a finding: ``source`` (path relative to the run directory), ``field`` (dotted record
+    field) or ``line`` (1-based line of a text file or traceback), and the ``value`` seen there."""
+
+    source: str
+    value: str
+    field: str | None = None
+    line: int | None = None
+
+    def text(self) -> str:
+        where = self.source + (f":{self.line}" if self.line else "") + (f" {self.field}" if self.field else "")
+        return f"{where} = {self.value}"
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "field": self.field, "line": self.line, "value": self.value}
+
+
+@dataclass
+class Run:
+    """The records of one run directory (``load_run``)."""
+
+    path: Path
+    config: Any = None                    # OmegaConf DictConfig of .hydra/config.yaml, or None
+    overrides: list[str] = field(default_factory=list)
+    launch: dict | None = None
+    job: dict | None = None
+    results: dict | None = None
+    statuses: dict[int, dict | None] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # records that exist but could not be read
+
+    @property
+    def world_size(self) -> int | None:
+        """From launch.json, job.json, the config or any status record (in that order)."""
+        for source in (self.launch, self.job):
+            if source and source.get("world_size"):
+                return int(source["world_size"])
+        if self.results:
+            return int(self.results["world_size"])
+        known = [s["world_size"] for s in self.statuses.values() if s and s.get("world_size")]
+        if known:
+            return int(known[0])
+        if self.config is not None:
+            return int(self.config.dist.world_size)
+        return None
+
+    def cfg(self, dotted: str, default: Any = None) -> Any:
+        """A config value by dotted key, or ``default`` when the config or key is absent."""
+        if self.config is None:
+            return default
+        value = OmegaConf.select(self.config, dotted, default=default)
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    @property
+    def failed(self) -> bool:
+        """True when the launcher, the job record or any rank recorded a failure."""
+        if self.launch and self.launch.get("outcome") not in (None, "ok", "running"):
+            return True
+        if self.job and str(self.job.get("state", "")).upper() not in ("", "COMPLETED", "FINISHED", "DONE"):
+            return True
+        return any(s and s.get("phase") == "failed" for s in self.statuses.values())
+
+    def deaths(self) -> dict[int, str]:
+        """Rank -> how the launcher saw it end, from launch.json's error.deaths."""
+        err = (self.launch or {}).get("error") or {}
+        return {int(k): str(v) for k, v in (err.get("deaths") or {}).items()}
+
+    def rel(self, path: Path) -> str:
+        try:
+            return str(path.relative_to(self.path))
+        except ValueError:
+            return str(path)
+
+
+def _read_json(path: Path, run: Run) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        run.problems.append(f"{run.rel(path)} is unreadable: {exc}")
+        return None
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / p).exists() for p in (".hydra", "launch.json", "results.json", "ranks", "job.json"))
+
+
+def load_run(path: str | Path) -> Run:
+    """Read every record of the run directory ``path``. Raises FileNotFoundError when it is not a directory
+    or holds none of a run's records."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    if not is_run_dir(path):
+        raise FileNotFoundError(f"{path} holds no run records (.hydra/, launch.json, ranks/, results.json)")
+    run = Run(path)
+    hydra_dir = path / ".hydra"
+    if (hydra_dir / "config.yaml").exists():
+        try:
+            run.config = OmegaConf.load(hydra_dir / "config.yaml")
+        except Exception as exc:  # noqa: BLE001 - a broken file is evidence, not a crash
+            run.problems.append(f".hydra/config.yaml is unreadable: {exc}")
+    if (hydra_dir / "overrides.yaml").exists():
+        try:
+            run.overrides = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
+        except Exception as exc:  # noqa: BLE001
+            run.problems.append(f".hydra/overrides.yaml is unreadable: {exc}")
+    run.launch = read_launch(path)
+    if run.launch and not run.overrides:
+        run.overrides = list(run.launch.get("overrides") or [])
+    run.job = _read_json(path / "job.json", run)
+    run.results = _read_json(path / "results.json", run)
+    ranks = sorted(int(m.group(1)) for p in (path / "ranks").glob("rank*")
+                   if (m := re.fullmatch(r"rank(\d+)", p.name)))
+    size = run.world_size or 0
+    for r in sorted(set(ranks) | set(range(size))):
+        run.statuses[r] = read_status(path, r)
+    return run
+
+
+def find_runs(path: str | Path) -> list[Path]:
+    """``[path]`` for a run directory; for a sweep directory (Hydra multirun) its job subdirectories in order.
+    Raises FileNotFoundError when neither."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    if is_run_dir(path):
+        return [path]
+    subs = sorted((p for p in path.iterdir() if p.is_dir() and is_run_dir(p)),
+                  key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+    if not subs:
+        raise FileNotFoundError(f"{path} is neither a run directory nor a sweep directory with runs in it")
+    return subs
+
+
+def traceback_frame(tb: str) -> tuple[str, int] | None:
+    """The innermost ``File "...", line N`` of a Python traceback text, or None."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', tb or "")
+    return (frames[-1][0], int(frames[-1][1])) if frames else None

@@ -1,0 +1,139 @@
+"""Live probes (``doctor --probe``): start the run's world size of ranks again, the way the local launcher
+does (torch.distributed.elastic), with the run's configuration, and measure
+
+* rendezvous: ``monitored_barrier`` (gloo) with ``wait_all_ranks``, naming ranks that did not arrive;
+* collective latency: median seconds of an 8-byte all_reduce (20 calls) and of one the size of the run's
+  largest recorded payload (3 calls, capped at 64 MiB), and a timeout that fits: max(30 s, 20 x the payload time);
+* shard balance: each rank times two batches of its own exact shard and projects its forward seconds;
+* cross-rank drift: the same canary batch (the dataset's first samples) on every rank; rank 0 compares the
+  logits of every rank with its own (max |difference|, argmax disagreements), for mixed hardware or a rank
+  that loaded other weights.
+
+Rank 0 writes ``OUT_DIR/probe.json``; nothing is written into the run's own records.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+CANARY = 32
+PAYLOAD_CAP = 64 * 1024 * 1024
+
+
+@record
+def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
+    """One probe rank (started by torch.distributed.elastic; env:// variables set)."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from disteval.comm import RankEnv, init_process_group
+    from disteval.data import build_dataset, shard_bounds
+    from disteval.faults import FaultPlan
+    from disteval.models import build_model, resolve_num_classes
+
+    cfg = OmegaConf.create(cfg_container)
+    env = RankEnv.from_env()
+    torch.set_num_threads(1)
+    timeout = min(float(cfg.communication.timeout_s), 60.0)
+    init_process_group("gloo", timeout, env)
+    out: dict = {"world_size": env.world_size}
+    t0 = time.perf_counter()
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        out["rendezvous"] = {"missing": [], "seconds": time.perf_counter() - t0, "timeout_s": timeout}
+    except RuntimeError as exc:
+        missing = sorted({int(r) for r in re.findall(r"\d+", str(exc).split("monitoredBarrier")[0].split("Ranks")[-1])})
+        out["rendezvous"] = {"missing": missing, "error": str(exc)[:500], "timeout_s": timeout}
+        if env.rank == 0:
+            _write(out_dir, out)
+        raise
+    small = torch.zeros(1, dtype=torch.int64)
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        dist.all_reduce(small)
+        times.append(time.perf_counter() - t)
+    n = max(1, min(int(payload_bytes), PAYLOAD_CAP) // 8)
+    big = torch.zeros(n, dtype=torch.float64)
+    big_times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        dist.all_reduce(big)
+        big_times.append(time.perf_counter() - t)
+    payload_s = statistics.median(big_times)
+    out["latency"] = {"small_s": statistics.median(times), "payload_bytes": n * 8, "payload_s": payload_s,
+                      "suggested_timeout_s": float(max(30, round(20 * payload_s * max(1.0, payload_bytes / (n * 8)))))}
+    if cfg.data.name not in ("coco", "coco_replay"):
+        dataset, data_classes = build_dataset(cfg.data)
+        num_classes = resolve_num_classes(cfg.model, data_classes)
+        model = build_model(cfg.model, num_classes, seed=cfg.seed).eval()
+        FaultPlan(env.rank).on_model(model)
+        start, end = shard_bounds(len(dataset), env.world_size, env.rank)
+        bs = int(cfg.data.batch_size)
+        idx = list(range(start, min(end, start + 2 * bs)))
+        with torch.inference_mode():
+            t = time.perf_counter()
+            for i in range(0, len(idx), bs):
+                model(torch.stack([dataset[j][0] for j in idx[i:i + bs]]))
+            secs = time.perf_counter() - t
+            canary = torch.stack([dataset[j][0] for j in range(min(CANARY, len(dataset)))])
+            logits = model(canary).float().contiguous()
+        ips = len(idx) / secs if secs > 0 and idx else 0.0
+        row = torch.tensor([float(end - start), ips, (end - start) / ips if ips else 0.0], dtype=torch.float64)
+        rows = [torch.zeros_like(row) for _ in range(env.world_size)]
+        dist.all_gather(rows, row)
+        gathered = [torch.zeros_like(logits) for _ in range(env.world_size)]
+        dist.all_gather(gathered, logits)
+        out["balance"] = {"samples": [int(r[0]) for r in rows], "images_per_s": [float(r[1]) for r in rows],
+                          "projected_s": [float(r[2]) for r in rows]}
+        ref = gathered[0]
+        out["drift"] = {"batch": int(ref.shape[0]), "tolerance": 1e-4,
+                        "max_abs_logit_diff": [float((g - ref).abs().max()) if g.numel() else 0.0 for g in gathered],
+                        "argmax_disagreements": [int((g.argmax(1) != ref.argmax(1)).sum()) if g.numel() else 0
+                                                 for g in gathered]}
+    dist.barrier()
+    if env.rank == 0:
+        _write(out_dir, out)
+    dist.destroy_process_group()
+
+
+def _write(out_dir: str, out: dict) -> None:
+    from disteval.records import atomic_write_json, json_safe
+
+    atomic_write_json(Path(out_dir) / "probe.json", json_safe(out))
+
+
+def run_probes(run, out_dir: Path) -> dict:
+    """Launch the probe ranks for ``run`` (a ``diagnostics.evidence.Run`` with a config) and return the probe
+    results, with ``path`` (where probe.json is) and ``error`` / ``culprit`` when the probe ranks failed.
+    Raises ValueError when the run has no readable .hydra/config.yaml."""
+    from omegaconf import OmegaConf
+
+    from disteval.errors import RankFailedError
+    from launchers.local import launch
+
+    if run.config is None:
+        raise ValueError(f"{run.path}/.hydra/config.yaml is missing: the probes need the run's configuration")
+    container = OmegaConf.to_container(run.config, resolve=True)
+    payload = max([int((s.get("last_collective") or {}).get("bytes") or 0) for s in run.statuses.values() if s]
+                  + [1 << 20])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    size = int(run.world_size or container["dist"]["world_size"])
+    result: dict = {}
+    try:
+        launch(probe_entry, (container, str(out_dir), payload), size, str(out_dir),
+               str(container["dist"].get("master_addr", "127.0.0.1")), 0)
+    except RankFailedError as exc:
+        result = {"error": str(exc), "culprit": exc.rank}
+    path = out_dir / "probe.json"
+    if path.exists():
+        result = {**json.loads(path.read_text()), **result}
+    result["path"] = str(path)
+    return result

@@ -1,0 +1,61 @@
+"""Remedies as Hydra overrides (plus, for launch problems, environment variables), and the command that
+applies one to a run."""
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Remedy:
+    """What to change: ``overrides`` (Hydra ``key=value``), ``env`` (variables every rank must see, for
+    problems outside the config such as a per-rank MASTER_PORT) and ``why`` (one line)."""
+
+    overrides: list[str]
+    why: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def key(self) -> tuple:
+        """Identity for "never the same (failure, remedy) pair twice"."""
+        return tuple(sorted(self.overrides)), tuple(sorted(self.env.items()))
+
+    def as_dict(self) -> dict:
+        return {"overrides": list(self.overrides), "env": dict(self.env), "why": self.why}
+
+
+def override_key(override: str) -> str:
+    """``+data.limit=5`` -> ``data.limit``; ``hydra.run.dir=x`` -> ``hydra.run.dir``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge_overrides(base: list[str], changes: list[str]) -> list[str]:
+    """``base`` with every key that ``changes`` sets replaced (in place, keeping order) or appended.
+    ``hydra.run.dir`` / ``hydra.sweep.dir`` of ``base`` are dropped (a rerun gets its own directory)."""
+    out = [o for o in base if override_key(o) not in ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")]
+    for change in changes:
+        key = override_key(change)
+        plain = change.lstrip("+~")
+        hits = [i for i, o in enumerate(out) if override_key(o) == key]
+        if hits:
+            keep_plus = out[hits[0]].startswith("+") and not out[hits[0]].startswith("++")
+            out[hits[0]] = ("+" if keep_plus else "") + plain
+        else:
+            out.append(change)
+    return out
+
+
+def rerun_command(overrides: list[str], run_dir: Path | None = None, env: dict[str, str] | None = None) -> list[str]:
+    """argv of ``python -m disteval OVERRIDES [hydra.run.dir=RUN_DIR]``."""
+    argv = [sys.executable, "-m", "disteval", *overrides]
+    if run_dir is not None:
+        argv.append(f"hydra.run.dir={run_dir}")
+    return argv
+
+
+def shell_line(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """A ready-to-paste shell line (``VAR=value python -m disteval ...``), every word quoted as needed."""
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    words = ["python" if a == sys.executable else a for a in argv]
+    return " ".join(prefix + [shlex.quote(w) for w in words])
