@@ -254,13 +254,17 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
     if sampler in ("padded", "drop_last"):
         per = math.ceil(n / size) if sampler == "padded" else n // size
         delta = per * size - n
-        what = (f"repeats {delta} sample(s) so that every rank has {per}" if sampler == "padded"
-                else f"drops {-delta} sample(s) so that every rank has {per}")
+        # DistributedSampler pads the index list with its first items and deals it out round-robin, so the
+        # repeats land on ranks N % W .. W-1; drop_last cuts the last N % W positions
+        first = n % size if delta else None
+        what = (f"repeats {delta} sample(s) so that every rank has {per} (ranks {first}..{size - 1} count one twice)"
+                if sampler == "padded" else f"drops {-delta} sample(s) so that every rank has {per}")
         return Finding("SHARDS", "plan", "fail" if delta else "warn",
                        f"data.sampler={sampler} (torch's DistributedSampler) {what}: N={n}, W={size}"
                        + ("" if delta else " (N is a multiple of W here, but not in general)"),
                        [Evidence(".hydra/config.yaml", sampler, field="data.sampler")],
-                       Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"))
+                       Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"),
+                       culprit=first if sampler == "padded" else None)
     sizes = [shard_bounds(n, size, r) for r in range(size)]
     sizes = [e - s for s, e in sizes]
     ev = [Evidence("results.json" if run.results else "ranks/*/status.json", str(n), field="dataset.num_samples")]
@@ -353,7 +357,9 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
     """A rank stalled or a collective timed out: the culprit, where it stopped, and a timeout that fits."""
     culprit = _culprit(run)
     errs = _errors(run)
-    timed = {r: e for r, e in errs.items() if _STALL.search(str(e.get("message", "")))}
+    # only ranks that joined the process group: a rendezvous that timed out is an INIT problem
+    timed = {r: e for r, e in errs.items() if _STALL.search(str(e.get("message", "")))
+             and (run.statuses.get(r) or {}).get("joined")}
     if culprit is None or not timed:
         return Finding("COMM", "timeout", "pass" if run.statuses else "skipped",
                        "no collective timed out and no rank stalled" if run.statuses else "no status records")
