@@ -69,7 +69,7 @@ def diagnose(run: Run, probes: dict | None = None) -> Diagnosis:
         diag.findings.append(Finding("INIT", "records", "warn", problem))
     for state in STATES:
         for check in CHECKS[state]:
-            name = check.__name__.split("_", 1)[1]
+            name = check.__name__.split("_", 1)[-1]
             try:
                 diag.findings.append(check(run, probes))
             except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others

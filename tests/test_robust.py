@@ -1,0 +1,112 @@
+"""Robust aggregation (trials, outlier ranks), fault parsing, remedy overrides and the doctor's state machine,
+without processes. Expected values come from numpy / scipy computed here."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from diagnostics import checks
+from diagnostics.evidence import load_run
+from diagnostics.machine import diagnose
+from diagnostics.remedies import merge_overrides, shell_line
+from disteval.faults import FaultPlan, parse
+from disteval.metrics.robust import rank_outliers, robust_stats, summarize_trials
+
+
+def test_robust_stats_against_numpy_and_scipy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.8, 0.01, size=9).tolist() + [0.2]  # one wild trial
+    st = robust_stats(x)
+    assert st["mean"] == pytest.approx(np.mean(x), rel=1e-15)
+    assert st["std"] == pytest.approx(np.std(x, ddof=1), rel=1e-12)
+    assert st["median"] == np.median(x)
+    assert st["mad"] == pytest.approx(sps.median_abs_deviation(x), rel=1e-12)
+    # the classic mean +- 3 sigma filter cannot reject it (|z| <= (K-1)/sqrt(K) = 2.85 for K = 10) ...
+    z = (np.array(x) - np.mean(x)) / np.std(x, ddof=1)
+    assert np.abs(z).max() <= (len(x) - 1) / np.sqrt(len(x)) + 1e-12
+    # ... the median/MAD clip does, and says so
+    keep = np.abs(np.array(x) - np.median(x)) <= 3 * 1.4826 * sps.median_abs_deviation(x)
+    assert st["dropped"] == 1 and st["sigma_clip_mean"] == pytest.approx(np.mean(np.array(x)[keep]), rel=1e-15)
+    assert robust_stats([0.5, 0.5, 0.5])["agree"] and robust_stats([0.5])["std"] == 0.0
+    with pytest.raises(ValueError):
+        robust_stats([0.5, float("nan")])
+
+
+def test_summarize_trials_reports_last_trial_when_identical_else_the_aggregate():
+    same = [{"top1": 0.9, "num_samples": 10, "per_class": [1, 2]}] * 3
+    metrics, summary = summarize_trials(same)
+    assert metrics == same[-1] and summary["agree"] and "num_samples" not in summary["values"]
+    trials = [{"top1": v, "nll": 1.0} for v in (0.90, 0.92, 0.50)]
+    for agg, want in (("median", 0.90), ("mean", np.mean([0.90, 0.92, 0.50]))):
+        metrics, summary = summarize_trials(trials, agg)
+        assert metrics["top1"] == pytest.approx(want, rel=1e-15) and metrics["nll"] == 1.0
+        assert summary["disagreeing"] == ["top1"]
+    with pytest.raises(ValueError, match="trial_aggregate"):
+        summarize_trials(trials, "mode")
+
+
+def test_rank_outliers_modified_z_with_binomial_floor():
+    acc, n = [0.98, 0.97, 0.99, 0.30], [1000] * 4
+    out = rank_outliers(acc, n)
+    med = np.median(acc)
+    mad = sps.median_abs_deviation(acc)
+    z3 = (0.30 - med) / max(1.4826 * mad, np.sqrt(med * (1 - med) / 1000))
+    assert out["outliers"] == [3] and out["z"][3] == pytest.approx(z3, rel=1e-12)
+    # small shards: a difference within sampling noise is not an outlier even when MAD is tiny
+    assert rank_outliers([0.90, 0.90, 0.90, 0.80], [50] * 4)["outliers"] == []
+    assert rank_outliers([0.9, 0.1], [10, 10])["skipped"]
+    assert rank_outliers([0.9, None, 0.9, 0.9], [10, 0, 10, 10])["z"][1] is None
+
+
+def test_fault_parsing_and_plan():
+    faults = parse("kill@1:batch=2; delay@0,2:batch=1,seconds=3;noise@*:std=0.1")
+    assert [(f.kind, f.ranks, f.params) for f in faults] == [
+        ("kill", frozenset({1}), {"batch": 2.0}), ("delay", frozenset({0, 2}), {"batch": 1.0, "seconds": 3.0}),
+        ("noise", None, {"std": 0.1})]
+    assert not FaultPlan(3, "kill@1:batch=2") and FaultPlan(1, "kill@1:batch=2")
+    for bad in ("explode@1", "kill@x:batch=1", "kill@1:seconds=2", "delay@1:batch"):
+        with pytest.raises(ValueError, match="DISTEVAL_FAULTS"):
+            parse(bad)
+
+
+def test_merge_overrides_and_shell_line():
+    base = ["+experiment=digits", "dist.world_size=2", "hydra.run.dir=/x", "communication.timeout_s=3"]
+    assert merge_overrides(base, ["communication.timeout_s=60", "precision.deterministic=true"]) == [
+        "+experiment=digits", "dist.world_size=2", "communication.timeout_s=60", "precision.deterministic=true"]
+    assert shell_line(["python", "-m", "disteval", "data.root=/a b"], {"MASTER_PORT": "5"}) == \
+        "MASTER_PORT=5 python -m disteval 'data.root=/a b'"
+
+
+def _write_status(run_dir, rank, **fields):
+    d = run_dir / "ranks" / f"rank{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "world_size": 2, "phase": "done", "samples_done": 5, "samples_planned": 5, "joined": 1.0}
+    (d / "status.json").write_text(json.dumps({**record, **fields}))
+
+
+def test_a_crashing_check_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    _write_status(tmp_path, 0)
+    _write_status(tmp_path, 1)
+
+    def broken(run, probes):
+        raise KeyError("boom")
+
+    monkeypatch.setitem(checks.CHECKS, "SHARDS", [broken])
+    diag = diagnose(load_run(tmp_path))
+    crashed = [f for f in diag.findings if f.status == "crashed"]
+    assert len(crashed) == 1 and "KeyError" in crashed[0].finding and crashed[0].evidence[0].line
+    assert any(f.state == "RESULT" for f in diag.findings)  # the later states still ran
+    assert diag.verdict is None and diag.exit_code == 2
+
+
+def test_never_started_rank_and_unreadable_record(tmp_path):
+    _write_status(tmp_path, 0, phase="failed", error={"type": "DistStoreError", "message": "Timed out after 5 seconds "
+                                                      "waiting for clients. 1/2 clients joined."}, joined=None)
+    diag = diagnose(load_run(tmp_path))
+    assert (diag.verdict.state, diag.verdict.check, diag.culprit) == ("INIT", "started", 1)
+    (tmp_path / "results.json").write_text("{not json")
+    diag = diagnose(load_run(tmp_path))
+    assert any(f.check == "records" and "results.json is unreadable" in f.finding for f in diag.findings)
