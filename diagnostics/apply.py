@@ -15,7 +15,7 @@ from typing import Callable
 
 from diagnostics.evidence import load_run
 from diagnostics.machine import Diagnosis, diagnose
-from diagnostics.remedies import merge_overrides, rerun_command
+from diagnostics.remedies import merge_overrides, rerun_command, run_overrides
 
 
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
@@ -24,7 +24,7 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
     exit_code, verdict ("STATE/check" or None), fixed}]. ``backoff_s`` doubles after each attempt (seconds);
     ``timeout_s`` bounds one attempt (seconds)."""
     base = diag.run
-    overrides = list(base.overrides)
+    overrides = run_overrides(base)
     env: dict[str, str] = {}
     tried: set = set()
     attempts: list[dict] = []

@@ -15,6 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
+from omegaconf import OmegaConf
+
 from disteval.data.sharding import shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
 from disteval.records import is_network_error
@@ -120,6 +122,24 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
         return Finding("INIT", "launch", "warn", "launch.json says running: the driver is still running or was killed "
                        "before it could record an outcome", ev)
     return Finding("INIT", "launch", "pass", f"the driver launched {launch.get('world_size')} rank(s)", ev)
+
+
+def init_scheduler(run: Run, probes: dict | None) -> Finding:
+    """The scheduler's view of a submitit/SLURM job (RUN_DIR/job.json, written for jobs that did not complete)."""
+    job = run.job
+    if job is None:
+        return Finding("INIT", "scheduler", "skipped", "no job.json (not a failed submitit job)")
+    state = str(job.get("state", "")).upper()
+    ev = [Evidence("job.json", state, field="state"), Evidence("job.json", str(job.get("error"))[:300], field="error")]
+    if state.startswith("TIMEOUT"):
+        limit = OmegaConf.select(run.hydra, "hydra.launcher.timeout_min", default=None) if run.hydra is not None else None
+        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} hit its time limit", ev,
+                       Remedy([f"hydra.launcher.timeout_min={2 * int(limit)}"] if limit else [],
+                              "a longer time limit (checkpoints resume the work already done)"))
+    if state.startswith(("CANCELLED", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY")):
+        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended {state}: "
+                       f"{str(job.get('error'))[:200]}", ev, Remedy([], "rerun; the scheduler stopped the job"))
+    return Finding("INIT", "scheduler", "pass", f"SLURM job {job.get('job_id')} state {state} (rank errors below)", ev)
 
 
 def init_started(run: Run, probes: dict | None) -> Finding:
@@ -474,7 +494,7 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
 
 
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
-    "INIT": [init_launch, init_started, init_joined, init_config_agree, init_ranks_ran],
+    "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
     "SHARDS": [shards_plan, shards_coverage],
     "CONVERGENCE": [convergence_trials, convergence_flags],
     "COMM": [comm_timeout, comm_mismatch, comm_stragglers],

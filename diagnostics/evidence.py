@@ -42,6 +42,7 @@ class Run:
 
     path: Path
     config: Any = None                    # OmegaConf DictConfig of .hydra/config.yaml, or None
+    hydra: Any = None                     # OmegaConf DictConfig of .hydra/hydra.yaml (launcher settings), or None
     overrides: list[str] = field(default_factory=list)
     launch: dict | None = None
     job: dict | None = None
@@ -121,6 +122,11 @@ def load_run(path: str | Path) -> Run:
             run.config = OmegaConf.load(hydra_dir / "config.yaml")
         except Exception as exc:  # noqa: BLE001 - a broken file is evidence, not a crash
             run.problems.append(f".hydra/config.yaml is unreadable: {exc}")
+    if (hydra_dir / "hydra.yaml").exists():
+        try:
+            run.hydra = OmegaConf.load(hydra_dir / "hydra.yaml")
+        except Exception as exc:  # noqa: BLE001
+            run.problems.append(f".hydra/hydra.yaml is unreadable: {exc}")
     if (hydra_dir / "overrides.yaml").exists():
         try:
             run.overrides = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]

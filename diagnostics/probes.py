@@ -127,13 +127,65 @@ def run_probes(run, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     size = int(run.world_size or container["dist"]["world_size"])
     result: dict = {}
+    kind = launcher_kind(run)
+    result_launcher = kind if kind.startswith("submitit") else "local"
     try:
-        launch(probe_entry, (container, str(out_dir), payload), size, str(out_dir),
-               str(container["dist"].get("master_addr", "127.0.0.1")), 0)
+        if kind.startswith("submitit"):
+            _launch_submitit(run, kind, container, out_dir, payload, size)
+        else:
+            launch(probe_entry, (container, str(out_dir), payload), size, str(out_dir),
+                   str(container["dist"].get("master_addr", "127.0.0.1")), 0)
     except RankFailedError as exc:
         result = {"error": str(exc), "culprit": exc.rank}
+    except Exception as exc:  # noqa: BLE001 - a failed submitit job: its error is the finding
+        result = {"error": f"{type(exc).__name__}: {str(exc)[-1000:]}", "culprit": None}
+    result["launcher"] = result_launcher
     path = out_dir / "probe.json"
     if path.exists():
         result = {**json.loads(path.read_text()), **result}
     result["path"] = str(path)
     return result
+
+
+def launcher_kind(run) -> str:
+    """The run's Hydra launcher choice (basic, submitit_slurm, submitit_local) from .hydra/hydra.yaml."""
+    from omegaconf import OmegaConf
+
+    if run.hydra is None:
+        return (run.launch or {}).get("hydra_launcher") or "basic"
+    return str(OmegaConf.select(run.hydra, "hydra.runtime.choices", default={}).get("hydra/launcher") or "basic")
+
+
+def _probe_task(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
+    """One probe rank inside a submitit task: export the rank environment, then run the probe."""
+    import os
+
+    import submitit
+
+    env = submitit.helpers.TorchDistributedEnvironment()
+    env.export(set_cuda_visible_devices=False)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    probe_entry(cfg_container, out_dir, payload_bytes)
+
+
+def _launch_submitit(run, kind: str, container: dict, out_dir: Path, payload: int, size: int) -> None:
+    """Submit the probe ranks as one job through submitit with the run's launcher options (partition, time
+    limit, ...), one task per rank, and wait for it. Raises submitit's error when a task fails."""
+    from omegaconf import OmegaConf
+
+    from launchers.submitit import job_shape, make_executor
+
+    node = OmegaConf.select(run.hydra, "hydra.launcher")
+    params = {}
+    for key in node.keys():
+        try:
+            value = OmegaConf.select(node, key)
+            params[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        except Exception:  # noqa: BLE001 - an interpolation into the sweep's own fields: not needed here
+            continue
+    params.update(submitit_folder=str(out_dir / "submitit" / "%j"), name="disteval-probe",
+                  timeout_min=min(int(params.get("timeout_min") or 15), 15), max_num_timeout=0)
+    nodes, per_node = job_shape(size, container["dist"].get("ranks_per_node"), params.get("gpus_per_node"))
+    executor = make_executor("slurm" if kind == "submitit_slurm" else "local", params, nodes, per_node)
+    job = executor.submit(_probe_task, container, str(out_dir), payload)
+    job.results()

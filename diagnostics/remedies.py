@@ -46,6 +46,15 @@ def merge_overrides(base: list[str], changes: list[str]) -> list[str]:
     return out
 
 
+def run_overrides(run) -> list[str]:
+    """The overrides that recreate ``run`` with ``python -m disteval``: Hydra's task overrides, plus the world
+    size when an external launcher (torchrun, srun) chose it rather than ``dist.world_size``."""
+    base = list(run.overrides)
+    if run.launch is None and run.world_size and run.cfg("dist.world_size") not in (None, run.world_size):
+        base = merge_overrides(base, [f"dist.world_size={run.world_size}"])
+    return base
+
+
 def rerun_command(overrides: list[str], run_dir: Path | None = None, env: dict[str, str] | None = None) -> list[str]:
     """argv of ``python -m disteval OVERRIDES [hydra.run.dir=RUN_DIR]``."""
     argv = [sys.executable, "-m", "disteval", *overrides]

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from diagnostics.machine import Diagnosis
-from diagnostics.remedies import merge_overrides, rerun_command, shell_line
+from diagnostics.remedies import merge_overrides, rerun_command, run_overrides, shell_line
 
 SCHEMA_VERSION = 1
 MARKS = {"pass": "[green]✔[/]", "warn": "[yellow]![/]", "fail": "[bold red]✘[/]", "skipped": "[dim]-[/]",
@@ -35,7 +35,7 @@ def remedy_command(diag: Diagnosis) -> str | None:
     remedy = diag.remedy
     if remedy is None:
         return None
-    argv = rerun_command(merge_overrides(diag.run.overrides, remedy.overrides))
+    argv = rerun_command(merge_overrides(run_overrides(diag.run), remedy.overrides))
     return shell_line(argv, remedy.env)
 
 

@@ -126,6 +126,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
         _err.print(f"traceback and progress: {run_dir}/ranks/{where}/status.json; log: "
                    f"{run_dir}/ranks/{where}/log.txt", soft_wrap=True, highlight=False)
+        _err.print(f"diagnose: python -m diagnostics doctor {run_dir}", soft_wrap=True, highlight=False)
         return 1, exc
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import socket
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.data.datasets import check_data_root, dataset_num_classes, input_shape, prepare_data
 from disteval.errors import ConfigError
+from disteval.faults import ENV as FAULTS_ENV, parse as parse_faults
 from disteval.data.sharding import SAMPLERS
 from disteval.metrics import METRIC_FAMILIES
 from disteval.metrics.robust import AGGREGATES
@@ -107,6 +109,10 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> int:
     """All driver-side checks: config values, dataset root, model/checkpoint/weights, top-k vs classes.
     Returns the number of classes; warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
+    try:
+        parse_faults(os.environ.get(FAULTS_ENV))
+    except ValueError as exc:
+        raise ConfigError(FAULTS_ENV, f"{exc} (an environment variable for fault drills; unset it to run normally)") from None
     if cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     from disteval.detection import check_detection_config, is_detection

@@ -74,17 +74,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
 
     def _executor(self, nodes: int, tasks_per_node: int):
-        import submitit
-
-        params = dict(self.params)
-        init = {"folder": params.pop("submitit_folder")}
-        if "max_num_timeout" in params:
-            init[f"{self._EXECUTOR}_max_num_timeout"] = params.pop("max_num_timeout")
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
-        params.update(nodes=nodes, tasks_per_node=tasks_per_node)
-        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
-        return executor
+        return make_executor(self._EXECUTOR, dict(self.params), nodes, tasks_per_node)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
@@ -205,6 +195,23 @@ def _disteval_error(job) -> str | None:
     return lines[-1] if lines else None
 
 
+def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int):
+    """A submitit AutoExecutor for ``cluster`` (slurm | local) from the launcher's options (``params``, as in
+    conf/hydra/launcher/submitit_*.yaml; ``submitit_folder`` required), with ``nodes`` x ``tasks_per_node``
+    tasks. Options that hydra-submitit-launcher's BaseQueueConf lacks get the ``{cluster}_`` prefix."""
+    import submitit
+
+    params = {k: v for k, v in params.items() if k != "_target_"}
+    init = {"folder": params.pop("submitit_folder")}
+    if "max_num_timeout" in params:
+        init[f"{cluster}_max_num_timeout"] = params.pop("max_num_timeout")
+    executor = submitit.AutoExecutor(cluster=cluster, **init)
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    params.update(nodes=nodes, tasks_per_node=tasks_per_node)
+    executor.update_parameters(**{k if k in base else f"{cluster}_{k}": v for k, v in params.items()})
+    return executor
+
+
 def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, world_size: int) -> None:
     """RUN_DIR/job.json with the scheduler's view of a failed job (read by the sweep summary)."""
     from disteval.records import atomic_write_json
@@ -217,4 +224,4 @@ def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, worl
         pass
 
 
-__all__ = ["DistevalSubmititLauncher", "JobFailed", "job_shape"]
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "job_shape", "make_executor"]

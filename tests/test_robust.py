@@ -110,3 +110,25 @@ def test_never_started_rank_and_unreadable_record(tmp_path):
     (tmp_path / "results.json").write_text("{not json")
     diag = diagnose(load_run(tmp_path))
     assert any(f.check == "records" and "results.json is unreadable" in f.finding for f in diag.findings)
+
+
+def test_sweep_directory_and_scheduler_timeout(tmp_path):
+    """A sweep directory: every job is diagnosed; a SLURM TIMEOUT proposes twice the launcher's time limit."""
+    import argparse
+
+    from rich.console import Console
+
+    from diagnostics.cli import doctor
+
+    ok, late = tmp_path / "0", tmp_path / "1"
+    for run in (ok, late):
+        _write_status(run, 0)
+        _write_status(run, 1)
+    (late / ".hydra").mkdir()
+    (late / ".hydra" / "hydra.yaml").write_text("hydra:\n  launcher:\n    timeout_min: 30\n")
+    (late / "job.json").write_text(json.dumps({"job_id": "7", "state": "TIMEOUT", "error": "time limit",
+                                               "world_size": 2}))
+    args = argparse.Namespace(run_dir=tmp_path, probe=False, apply=False, json=True, verbose=False)
+    code, runs = doctor(args, Console(file=open("/dev/null", "w")))
+    assert code == 1 and [r["verdict"] for r in runs][0] is None
+    assert runs[1]["verdict"]["check"] == "scheduler" and runs[1]["remedy"]["overrides"] == ["hydra.launcher.timeout_min=60"]

@@ -68,6 +68,24 @@ def test_sweep_jobs_run_at_their_own_world_size_and_equal_the_local_run(sweep, c
     assert len(hosts) == 1  # both ranks of the 2-rank job on the one node, as 2 SLURM tasks
 
 
+def test_doctor_on_the_sweep_probes_through_slurm(sweep):
+    """The doctor diagnoses every job of the sweep directory as healthy, and --probe starts its probe ranks the
+    way the run was launched: one SLURM job with one task per rank."""
+    proc, sweep_dir = sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(sweep_dir), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and [r["verdict"] for r in report["runs"]] == [None, None]
+    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(sweep_dir / "1"), "--probe", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    probes = json.loads(out.stdout)["runs"][0]["probes"]
+    assert out.returncode == 0, probes
+    assert probes["launcher"] == "submitit_slurm" and probes["world_size"] == 2
+    assert probes["rendezvous"]["missing"] == [] and probes["drift"]["max_abs_logit_diff"] == [0.0, 0.0]
+    assert list((sweep_dir / "1" / "doctor").glob("probe-*/submitit/*"))  # really went through submitit
+
+
 def test_sweep_summary(sweep):
     proc, sweep_dir = sweep
     rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
