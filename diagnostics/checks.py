@@ -169,25 +169,16 @@ def init_joined(run: Run, probes: dict | None) -> Finding:
     rdv = {r: s.get("rendezvous") or {} for r, s in records.items()}
     ports = {r: v.get("master_port") for r, v in rdv.items() if v.get("master_port") is not None}
     addrs = {r: v.get("master_addr") for r, v in rdv.items() if v.get("master_addr")}
-    if ports and 0 in ports:
-        odd = sorted(r for r, p in ports.items() if p != ports[0])
-        if odd:
+    for fld, var, seen in (("master_port", "MASTER_PORT", ports), ("master_addr", "MASTER_ADDR", addrs)):
+        odd = sorted(r for r, v in seen.items() if v != seen[0]) if 0 in seen else []
+        if odd:  # rank 0 hosts the store: a rank that looked elsewhere is the culprit
             r = odd[0]
-            return Finding("INIT", "joined", "fail", f"rank {r} looked for the rendezvous at port {ports[r]}, but rank 0 "
-                           f"hosts it at port {ports[0]}: the ranks were launched with different MASTER_PORT values",
-                           [_status_ev(run, 0, "rendezvous.master_port"), _status_ev(run, r, "rendezvous.master_port")]
+            return Finding("INIT", "joined", "fail", f"rank {r} looked for the rendezvous at {var}={seen[r]}, but rank 0 "
+                           f"hosts it at {var}={seen[0]}: the ranks were launched with different {var} values",
+                           [_status_ev(run, 0, f"rendezvous.{fld}"), _status_ev(run, r, f"rendezvous.{fld}")]
                            + (_error_ev(run, r) if records[r].get("error") else []),
-                           Remedy([], f"start every rank with MASTER_PORT={ports[0]} (the value rank 0 used)",
-                                  env={"MASTER_PORT": str(ports[0])}), culprit=r)
-    if addrs and 0 in addrs:
-        odd = sorted(r for r, a in addrs.items() if a != addrs[0])
-        if odd:
-            r = odd[0]
-            return Finding("INIT", "joined", "fail", f"rank {r} looked for the rendezvous at {addrs[r]}, rank 0 at "
-                           f"{addrs[0]}: the ranks were launched with different MASTER_ADDR values",
-                           [_status_ev(run, 0, "rendezvous.master_addr"), _status_ev(run, r, "rendezvous.master_addr")],
-                           Remedy([], f"start every rank with MASTER_ADDR={addrs[0]}", env={"MASTER_ADDR": str(addrs[0])}),
-                           culprit=r)
+                           Remedy([], f"start every rank with {var}={seen[0]} (the value rank 0 used)",
+                                  env={var: str(seen[0])}), culprit=r)
     if not stuck:
         return Finding("INIT", "joined", "pass", f"all {len(records)} ranks joined the process group")
     for r in stuck:

@@ -424,6 +424,11 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
     the coverage check, results.json and the console report. Returns the results dict on rank 0.
 
+    With ``eval.trials`` = K > 1 the shard is evaluated and synchronised K times with fresh metric states and
+    rank 0 combines the trials (``disteval.metrics.robust.summarize_trials``); every trial also tests the
+    ranks' local accuracies for outliers and, with ``eval.exclude_outlier_ranks``, synchronises once more
+    without them. Faults of ``DISTEVAL_FAULTS`` (``disteval.faults``) are applied to this rank.
+
     ``env=None`` runs a single process (world size 1) without a launcher. ``agree_run_dir``: take rank 0's
     run directory (broadcast), for external launchers where each rank composed its own. Every exception is
     recorded in this rank's status.json (type, message, traceback) before it propagates.
