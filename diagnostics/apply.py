@@ -21,7 +21,7 @@ from diagnostics.remedies import merge_overrides, rerun_command, run_overrides
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
                    log: Callable[[str], None] = print) -> tuple[Diagnosis, list[dict]]:
     """Retry ``diag.run`` with remedies. Returns the last diagnosis and the attempts: [{run_dir, overrides, env,
-    exit_code, verdict ("STATE/check" or None), fixed}]. ``backoff_s`` doubles after each attempt (seconds);
+    exit_code, verdict ("STATE/check" or None), remedy, fixed, warnings}]. ``backoff_s`` doubles after each attempt (seconds);
     ``timeout_s`` bounds one attempt (seconds)."""
     base = diag.run
     overrides = run_overrides(base)
@@ -59,10 +59,15 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
             code = 124
         current = diagnose(load_run(run_dir)) if run_dir.exists() else current
         fixed = code == 0 and current.verdict is None
+        warnings = [f"{f.state}/{f.check}: {f.finding}" for f in current.findings if f.status == "warn"]
         attempts.append({"run_dir": str(run_dir), "overrides": overrides, "env": dict(env), "exit_code": code,
                          "verdict": None if current.verdict is None else f"{current.verdict.state}/{current.verdict.check}",
-                         "remedy": remedy.as_dict(), "fixed": fixed})
+                         "remedy": remedy.as_dict(), "fixed": fixed, "warnings": warnings})
         if fixed:
-            log(f"attempt {n} is healthy: fixed by {' '.join(remedy.overrides) or remedy.env} ({remedy.why})")
+            log(f"attempt {n} has no failing check: fixed by {' '.join(remedy.overrides) or remedy.env} ({remedy.why})")
+            for w in warnings:
+                log(f"  still warns: {w}")
             break
+    else:
+        log(f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy")
     return current, attempts

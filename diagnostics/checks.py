@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from disteval.data.sharding import shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
-from disteval.records import is_network_error
+from disteval.records import is_network_error, recorded_progress
 from launchers.culprit import find_culprit
 
 from diagnostics.evidence import Evidence, Run, traceback_frame
@@ -210,8 +210,8 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
     err = s.get("error") or {}
     death = run.deaths().get(culprit.rank)
     if any(e.get("blames") == culprit.rank for e in _errors(run).values()) and (not err or is_network_error(err)):
-        return Finding("INIT", "ranks_ran", "pass", f"rank {culprit.rank} stalled and a peer timed out waiting for it: "
-                       "a communication problem (see COMM)")
+        return Finding("INIT", "ranks_ran", "pass", f"no rank died or raised an error of its own (rank {culprit.rank} "
+                       "stalled while a peer waited: see COMM)")
     if err and not is_network_error(err) and err.get("blames") is None:
         if err.get("type") == "CoverageError":
             return Finding("INIT", "ranks_ran", "pass", f"rank {culprit.rank}'s coverage error is a shard problem (see SHARDS)")
@@ -223,12 +223,13 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
         if "SIGKILL" in death:
             bs = int(run.cfg("data.batch_size", 0) or 0)
             remedy = Remedy([f"data.batch_size={max(1, bs // 2)}"] if bs > 1 else [],
-                            "SIGKILL without an error is most often the kernel's out-of-memory killer (see dmesg); "
-                            "a smaller batch needs less memory" if bs > 1 else "rerun; check dmesg for the OOM killer")
+                            "a SIGKILL that nobody sent by hand is most often the kernel's out-of-memory killer (dmesg "
+                            "says so); if it was, a smaller batch needs less memory" if bs > 1 else
+                            "rerun; check dmesg for the out-of-memory killer")
         else:
             remedy = Remedy([], "rerun unchanged: the rank was stopped from outside")
-        return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} {death} without recording an error, in phase "
-                       f"{s.get('phase')!r} after {s.get('samples_done')}/{s.get('samples_planned')} samples", ev, remedy,
+        return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} {death} without recording an error, in "
+                       f"{recorded_progress(s)}", ev, remedy,
                        culprit=culprit.rank)
     return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {culprit.rank}'s failure is "
                    "a communication problem, see COMM)")
@@ -327,27 +328,33 @@ def convergence_trials(run: Run, probes: dict | None) -> Finding:
     if trials["agree"]:
         return Finding("CONVERGENCE", "trials", "pass", f"all {trials['k']} trials are identical",
                        [Evidence("results.json", "true", field="trials.agree")])
-    name = "top1" if "top1" in trials["stats"] else trials["disagreeing"][0]
+    name = "top1" if "top1" in trials["disagreeing"] else trials["disagreeing"][0]
     st = trials["stats"][name]
     ev = [Evidence("results.json", str([round(v, 6) for v in trials["values"][name]]), field=f"trials.values.{name}"),
           Evidence("results.json", f"{st['spread']:.3g}", field=f"trials.stats.{name}.spread")]
     deterministic = bool(((run.results or {}).get("precision") or {}).get("deterministic",
                                                                           run.cfg("precision.deterministic", False)))
+    device = str((run.results or {}).get("device", ""))
     finding = (f"{trials['k']} trials disagree on {len(trials['disagreeing'])} metric(s): {name} spans "
                f"{min(trials['values'][name]):.4f}..{max(trials['values'][name]):.4f} (std {st['std']:.2g}); the "
                f"reported value is their {trials['aggregate']}")
-    if not deterministic:
+    if not deterministic and "cuda" in device:
         return Finding("CONVERGENCE", "trials", "fail", finding,
                        ev + [Evidence(".hydra/config.yaml", "false", field="precision.deterministic")],
                        Remedy(["precision.deterministic=true"], "deterministic algorithms, cuDNN benchmark and TF32 off"))
-    return Finding("CONVERGENCE", "trials", "fail", finding + "; deterministic algorithms were on, so the model or the "
-                   "data pipeline draws random numbers (dropout in train mode, random augmentation)", ev)
+    why = "deterministic algorithms were on" if deterministic else f"the forward on {device or 'this device'} is " \
+        "deterministic without precision.deterministic"
+    return Finding("CONVERGENCE", "trials", "fail", finding + f"; {why}, so the model or the data pipeline draws random "
+                   "numbers (dropout left in train mode, random augmentation, unseeded noise): fix the model; meanwhile "
+                   "more trials narrow the robust estimate", ev)
 
 
 def convergence_flags(run: Run, probes: dict | None) -> Finding:
     """Settings that make results vary between runs: TF32, cuDNN benchmark, deterministic algorithms off."""
     prec = (run.results or {}).get("precision") or {}
-    device = str((run.results or {}).get("device", run.cfg("dist.device", "")))
+    device = str((run.results or {}).get("device") or run.cfg("dist.device", "auto"))
+    if device == "auto":
+        return Finding("CONVERGENCE", "flags", "skipped", "the device is not recorded (no results.json, dist.device=auto)")
     flags = []
     if prec.get("tf32", run.cfg("precision.tf32", False)):
         flags.append("precision.tf32=true")
@@ -393,8 +400,8 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
             and run.cfg("communication.compression", "none") == "none":
         overrides.append("communication.compression=fp16")
         why += "; fp16 halves the gathered scores"
-    return Finding("COMM", "timeout", "fail", f"rank {r} stopped making progress in phase {phase!r} after "
-                   f"{s.get('samples_done')}/{s.get('samples_planned')} samples and its peers timed out after "
+    return Finding("COMM", "timeout", "fail", f"rank {r} stopped making progress ({recorded_progress(s)}) and its "
+                   "peers timed out after "
                    f"{timeout:g} s (communication.timeout_s)", ev, Remedy(overrides, why), culprit=r)
 
 
@@ -481,7 +488,8 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
     if m.get("top1") is not None and c > 1 and float(m["top1"]) <= 1.5 / c:
         return Finding("RESULT", "sanity", "warn", f"top-1 {m['top1']:.4f} is at chance level for {c} classes: wrong "
                        "weights, a label mapping that does not match the model, or the wrong transform", ev)
-    return Finding("RESULT", "sanity", "pass", "metric values are finite, in range and count every sample", ev)
+    return Finding("RESULT", "sanity", "pass", "metric values are finite and in range, and count every sample"
+                   + (f" but the {left_out} excluded with the outlier ranks" if left_out else ""), ev)
 
 
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             print(json.dumps({"schema_version": SCHEMA_VERSION, "exit_code": 2, "error": str(exc), "runs": []}))
         else:
-            Console(stderr=True).print(f"[bold red]doctor: cannot diagnose[/] {exc}", soft_wrap=True, highlight=False)
+            Console(stderr=True).print(f"[bold red]doctor: cannot diagnose:[/] {exc}", soft_wrap=True, highlight=False)
         sys.exit(2)
     if args.json:
         print(json.dumps({"schema_version": SCHEMA_VERSION, "exit_code": code, "runs": runs}, indent=2, default=str))

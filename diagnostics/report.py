@@ -12,7 +12,7 @@ JSON schema (``schema_version`` 1), one object per doctor invocation::
                            "evidence": [{"source", "field", "line", "value"}], "remedy", "culprit_rank"}],
                "probes": null | {...probe.json...},
                "attempts": [{"run_dir", "overrides": [str], "env": {str: str}, "exit_code": int,
-                             "verdict": str | null, "fixed": bool}]}]}
+                             "verdict": str | null, "remedy": {...}, "fixed": bool, "warnings": [str]}]}]}
 
 ``remedy.command`` is the ready-to-paste shell line that applies the remedy to the run.
 """
@@ -70,6 +70,9 @@ def print_diagnosis(diag: Diagnosis, console: Console, verbose: bool = False) ->
             remedy = escape(remedy) + f"\n[dim]{escape(f.remedy.why)}[/]"
         table.add_row(MARKS[f.status], f.state, f.check, escape(f.finding), ev, remedy)
     console.print(table)
+    skipped = sum(f.status == "skipped" for f in diag.findings)
+    if skipped and not verbose:
+        console.print(f"[dim]{skipped} check(s) skipped for lack of records (--verbose lists them)[/]", highlight=False)
     v = diag.verdict
     if v is None:
         extra = f" ({len(diag.crashed)} check(s) crashed)" if diag.crashed else ""

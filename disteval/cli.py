@@ -143,6 +143,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     _composed = True
     code = run(cfg)
     if code:
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN and not str(hc.runtime.choices.get("hydra/launcher") or "").startswith("submitit"):
+            # the basic launcher runs the jobs in this process: an exception (not SystemExit) marks this job
+            # failed and lets the next ones run; Hydra's sweeper raises it after the last job (exit code 1)
+            raise DistevalError(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}; "
+                                f"see above and {hc.runtime.output_dir}")
         sys.exit(code)
 
 

@@ -36,7 +36,7 @@ from disteval.metrics.base import Metric
 from disteval.models import build_model, resolve_num_classes
 from disteval.detection import (build_detection_metric, build_detection_task, collate_images, detector_forward, is_detection,
                                 replay_forward)
-from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status
+from disteval.records import StatusWriter, atomic_write_json, rank_dir, read_status, recorded_progress
 from disteval.faults import FaultPlan
 from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -302,8 +302,7 @@ class PeerWatch:
                                          f"{err.get('message')}")
             if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > self.timeout_s:
                 raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {self.timeout_s:g} s "
-                                         f"(communication.timeout_s) in phase {s.get('phase')!r} after "
-                                         f"{s.get('samples_done')}/{s.get('samples_planned')} samples")
+                                         f"(communication.timeout_s) in {recorded_progress(s)}")
         missing = [r for r, s in enumerate(records) if s is None]
         if missing and now - self.started > self.timeout_s:
             raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")

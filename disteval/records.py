@@ -83,6 +83,13 @@ def read_status(run_dir: str | os.PathLike, rank: int) -> dict | None:
         return None
 
 
+def recorded_progress(status: dict) -> str:
+    """``"phase 'forward', last recorded progress 64/270 samples"``: status records are written every
+    ``eval.status_interval_s`` seconds, so the count is a lower bound of what the rank had done."""
+    return (f"phase {status.get('phase')!r}, last recorded progress {status.get('samples_done')}/"
+            f"{status.get('samples_planned')} samples")
+
+
 def is_network_error(error: dict | None) -> bool:
     """True when an ``error`` record ({type, message}) looks like a consequence of a peer's failure
     (connection closed, timeout, backend error) rather than a rank's own fault."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,10 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
         rec = json.loads(job.read_text())
         row.update(status=str(rec.get("state", "FAILED")).lower(), error=rec.get("error", ""),
                    world_size=rec.get("world_size"))
+    launch = run_dir / "launch.json"
+    if launch.is_file() and not row.get("error"):  # the driver's verdict: culprit rank and its own error
+        rec = json.loads(launch.read_text())
+        row.update(error=(rec.get("error") or {}).get("message", ""), world_size=rec.get("world_size"))
     statuses = sorted(run_dir.glob("ranks/rank*/status.json"))
     for path in statuses:
         s = json.loads(path.read_text())
@@ -112,7 +117,22 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: ``summarize_sweep(hydra.sweep.dir)`` when a multirun ends (also after failures)."""
+    """Hydra callback: ``summarize_sweep(hydra.sweep.dir)`` when a multirun ends (also after failures).
+
+    With Hydra's basic launcher (jobs in the driver's process) the summary files are also rewritten after each
+    job, because Hydra skips ``on_multirun_end`` when a job failed; the submitit launchers write it
+    themselves after failures."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        try:
+            if "BasicLauncher" not in str(config.hydra.launcher.get("_target_", "")) or \
+                    str(config.hydra.mode) != "RunMode.MULTIRUN":
+                return
+            from rich.console import Console
+
+            summarize_sweep(str(config.hydra.sweep.dir), console=Console(file=open(os.devnull, "w")))
+        except Exception:  # noqa: BLE001 - best effort; on_multirun_end or the launcher writes it again
+            pass
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:

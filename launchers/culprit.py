@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disteval.records import is_network_error, read_status
+from disteval.records import is_network_error, read_status, recorded_progress
 
 
 @dataclass
@@ -40,8 +40,7 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
     if silent:
         r = silent[0]
         s = records.get(r)
-        where = (f"in phase {s.get('phase')!r} after {s.get('samples_done')}/{s.get('samples_planned')} samples"
-                 if s else "before writing any status record")
+        where = f"in {recorded_progress(s)}" if s else "before writing any status record"
         return Culprit(r, f"rank {r} {deaths[r]} without recording an error, {where}")
     never = [r for r, s in records.items() if s is None]
     if never:
@@ -50,8 +49,7 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
     if errors and stalled:
         r = stalled[0]
         s = records[r]
-        return Culprit(r, f"rank {r} stopped making progress in phase {s.get('phase')!r} after "
-                          f"{s.get('samples_done')}/{s.get('samples_planned')} samples; its peers timed out "
+        return Culprit(r, f"rank {r} stopped making progress ({recorded_progress(s)}); its peers timed out "
                           f"waiting for it ({errors[0][2]['error']['message'][:200]})")
     if errors:
         _, r, s = sorted(errors)[0]

@@ -27,7 +27,7 @@ AGGREGATES = ("mean", "median", "sigma_clip")
 
 def robust_stats(values: Sequence[float], clip_sigma: float = 3.0) -> dict:
     """Summary of K repeated values (float64): k, mean, std (ddof=1; 0 for K=1), median, mad (raw),
-    sigma_clip_mean (mean of values within ``clip_sigma`` * 1.4826 * MAD of the median; with MAD = 0 the values
+    mean is math.fsum / K; sigma_clip_mean (mean of values within ``clip_sigma`` * 1.4826 * MAD of the median; with MAD = 0 the values
     equal to the median), dropped (trials the clip left out), spread (max - min) and agree (all bit-equal).
     Raises ValueError for an empty sequence or non-finite values (a trial's metric must be defined)."""
     x = np.asarray(list(values), dtype=np.float64)
@@ -35,12 +35,16 @@ def robust_stats(values: Sequence[float], clip_sigma: float = 3.0) -> dict:
         raise ValueError("robust_stats needs at least one value")
     if not np.all(np.isfinite(x)):
         raise ValueError(f"robust_stats: non-finite trial values {x.tolist()}")
+    agree = bool(np.all(x == x[0]))
     med = float(np.median(x))
     mad = float(np.median(np.abs(x - med)))
     keep = np.abs(x - med) <= clip_sigma * MAD_TO_SIGMA * mad
-    return {"k": int(x.size), "mean": float(x.mean()), "std": float(x.std(ddof=1)) if x.size > 1 else 0.0,
+    if agree:  # identical trials: the exact value, not a sum's rounding (K * x / K need not be x)
+        return {"k": int(x.size), "mean": float(x[0]), "std": 0.0, "median": float(x[0]), "mad": 0.0,
+                "sigma_clip_mean": float(x[0]), "dropped": 0, "spread": 0.0, "agree": True}
+    return {"k": int(x.size), "mean": math.fsum(x.tolist()) / x.size, "std": float(x.std(ddof=1)),
             "median": med, "mad": mad, "sigma_clip_mean": float(x[keep].mean()), "dropped": int((~keep).sum()),
-            "spread": float(x.max() - x.min()), "agree": bool(np.all(x == x[0]))}
+            "spread": float(x.max() - x.min()), "agree": False}
 
 
 def scalar_metrics(metrics: dict) -> dict[str, float]:
