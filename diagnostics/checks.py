@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -121,7 +122,10 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
     if launch.get("outcome") == "running":
         return Finding("INIT", "launch", "warn", "launch.json says running: the driver is still running or was killed "
                        "before it could record an outcome", ev)
-    return Finding("INIT", "launch", "pass", f"the driver launched {launch.get('world_size')} rank(s)", ev)
+    if launch.get("outcome") == "failed":
+        return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s); the run failed: "
+                       f"{str(err.get('message'))[:200]} (the checks below say why)", ev)
+    return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s)", ev)
 
 
 def init_scheduler(run: Run, probes: dict | None) -> Finding:
@@ -149,7 +153,8 @@ def init_started(run: Run, probes: dict | None) -> Finding:
     size = run.world_size
     if not size:
         return Finding("INIT", "started", "skipped", "the world size is unknown (no launch, job, config or status record)")
-    missing = [r for r in range(size) if run.statuses.get(r) is None]
+    missing = [r for r in range(size) if run.statuses.get(r) is None
+               and not (run.path / "ranks" / f"rank{r}" / "status.json").exists()]  # unreadable: see INIT/records
     if missing:
         return Finding("INIT", "started", "fail", f"rank(s) {missing} of {size} never started: no status record",
                        [Evidence(f"ranks/rank{r}/status.json", "missing") for r in missing],
@@ -205,7 +210,9 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
         return Finding("INIT", "ranks_ran", "pass" if run.statuses else "skipped",
                        "no rank failed" if run.statuses else "no status records")
     if culprit.rank is None:
-        return Finding("INIT", "ranks_ran", "warn", culprit.message[:300])
+        return Finding("INIT", "ranks_ran", "fail", f"the run is recorded as failed but no rank recorded why: "
+                       f"{culprit.message[:300]}", [Evidence("launch.json", str((run.launch or {}).get("outcome")),
+                                                             field="outcome")])
     s = run.statuses.get(culprit.rank) or {}
     err = s.get("error") or {}
     death = run.deaths().get(culprit.rank)
@@ -230,6 +237,14 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
             remedy = Remedy([], "rerun unchanged: the rank was stopped from outside")
         return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} {death} without recording an error, in "
                        f"{recorded_progress(s)}", ev, remedy,
+                       culprit=culprit.rank)
+    if not err and s.get("phase") in ("init", "data", "forward"):
+        return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} stopped without recording an error in "
+                       f"{recorded_progress(s)}: its process died or hung (no launcher record says how), and its peers "
+                       "failed waiting for it", [_status_ev(run, culprit.rank, "phase"),
+                                                 _status_ev(run, culprit.rank, "t_update")]
+                       + _error_ev(run, sorted(_errors(run))[0])[:1],
+                       Remedy([], "rerun; if it happens again, look at that rank's host (dmesg, the scheduler's log)"),
                        culprit=culprit.rank)
     return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {culprit.rank}'s failure is "
                    "a communication problem, see COMM)")
@@ -378,6 +393,13 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
     # only ranks that joined the process group: a rendezvous that timed out is an INIT problem
     timed = {r: e for r, e in errs.items() if _STALL.search(str(e.get("message", "")))
              and (run.statuses.get(r) or {}).get("joined")}
+    cerr = ((run.statuses.get(culprit.rank) or {}).get("error") if culprit and culprit.rank is not None else None)
+    if culprit is not None and not timed and cerr and is_network_error(cerr) \
+            and (run.statuses.get(culprit.rank) or {}).get("joined"):
+        return Finding("COMM", "timeout", "fail", f"rank {culprit.rank} failed with a network error and no rank recorded "
+                       "an error of its own: a connection or a peer process went away", _error_ev(run, culprit.rank),
+                       Remedy([], "rerun; if it repeats, probe the ranks (--probe) and check the network between hosts"),
+                       culprit=culprit.rank)
     if culprit is None or not timed:
         return Finding("COMM", "timeout", "pass" if run.statuses else "skipped",
                        "no collective timed out and no rank stalled" if run.statuses else "no status records")
@@ -451,23 +473,47 @@ def result_outliers(run: Run, probes: dict | None) -> Finding:
                        f"{out['median']:.4f})", ev)
     desc = ", ".join(f"rank {r} on {per[r].get('host')} (accuracy {acc[r]:.4f}, z {out['z'][r]:+.1f})"
                      for r in out["outliers"])
+    if out["high"] or not out["excludable"]:
+        side = "above" if out["high"] else "below"
+        return Finding("RESULT", "outliers", "fail", f"outlier {desc} {side} the median {out['median']:.4f}: the ranks "
+                       "split into groups that disagree, so most ranks may be the broken ones (other weights, data or "
+                       "hardware); no rank is excluded automatically: compare the ranks' checkpoints and inputs (--probe "
+                       "compares their logits on one batch)", ev, culprit=None if out["high"] else out["low"][0])
     excluded = (run.results or {}).get("exclusion")
     if excluded:
         return Finding("RESULT", "outliers", "warn", f"outlier {desc}; excluded as asked: the metrics leave out "
-                       f"{excluded['samples_left_out']} samples", ev, culprit=out["outliers"][0])
-    left = sum(per[r].get("samples", 0) for r in out["outliers"])
+                       f"{excluded['samples_left_out']} samples of rank(s) {excluded['ranks']}, which still need fixing",
+                       ev, culprit=out["low"][0])
+    left = sum(per[r].get("samples", 0) for r in out["excludable"])
     return Finding("RESULT", "outliers", "fail", f"outlier {desc} against median {out['median']:.4f}: a rank with other "
                    "weights, data or hardware", ev,
                    Remedy(["eval.exclude_outlier_ranks=true"], f"report metrics without the outlier rank(s), stating the "
                           f"{left} samples left out (then fix that rank: its checkpoint file, data or device)"),
-                   culprit=out["outliers"][0])
+                   culprit=out["low"][0])
+
+
+def _no_results(run: Run) -> Finding:
+    """Without results.json a run is healthy only while it is still running."""
+    records = {r: s for r, s in run.statuses.items() if s}
+    if (run.launch or {}).get("outcome") == "config_error" or (not records and run.launch is None):
+        return Finding("RESULT", "sanity", "skipped", "no results.json (no rank ran)")
+    phases = ", ".join(f"rank {r}: {s.get('phase')}" for r, s in sorted(records.items())) or "no status records"
+    ev = [Evidence("results.json", "missing or unreadable")]
+    if run.failed:
+        return Finding("RESULT", "sanity", "fail", f"the run failed before writing results.json ({phases})", ev)
+    newest = max((float(s.get("t_update") or 0) for s in records.values()), default=0.0)
+    if records and all(s.get("phase") != "done" for s in records.values()) and time.time() - newest < 60:
+        return Finding("RESULT", "sanity", "warn", f"no results.json yet: the ranks updated their records "
+                       f"{time.time() - newest:.0f} s ago, the run may still be running ({phases})", ev)
+    return Finding("RESULT", "sanity", "fail", f"no results.json although no rank recorded a failure: the run was killed "
+                   f"or hangs, or the file was removed ({phases})", ev)
 
 
 def result_sanity(run: Run, probes: dict | None) -> Finding:
     """Values that cannot be right: non-finite or out-of-range metrics, a count that is not N, chance level."""
     res = run.results
     if not res:
-        return Finding("RESULT", "sanity", "skipped", "no results.json")
+        return _no_results(run)
     m = res.get("metrics") or {}
     problems = []
     for k in ("top1", "top5", "accuracy", "auroc_macro", "ap_macro", "AP", "AP50"):

@@ -15,7 +15,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from disteval.records import read_launch, read_status
 
 
 @dataclass
@@ -52,17 +51,15 @@ class Run:
 
     @property
     def world_size(self) -> int | None:
-        """From launch.json, job.json, the config or any status record (in that order)."""
-        for source in (self.launch, self.job):
-            if source and source.get("world_size"):
-                return int(source["world_size"])
-        if self.results:
-            return int(self.results["world_size"])
-        known = [s["world_size"] for s in self.statuses.values() if s and s.get("world_size")]
-        if known:
-            return int(known[0])
-        if self.config is not None:
-            return int(self.config.dist.world_size)
+        """From launch.json, job.json, results.json, any status record or the config (the first that holds a
+        positive integer)."""
+        candidates = [(self.launch or {}).get("world_size"), (self.job or {}).get("world_size"),
+                      (self.results or {}).get("world_size")]
+        candidates += [s.get("world_size") for s in self.statuses.values() if s]
+        candidates.append(self.cfg("dist.world_size"))
+        for value in candidates:
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
         return None
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
@@ -93,14 +90,24 @@ class Run:
             return str(path)
 
 
-def _read_json(path: Path, run: Run) -> dict | None:
+def _read_json(path: Path, run: Run, required: dict[str, type] | None = None) -> dict | None:
+    """The JSON object in ``path``; None (and a problem noted) when it is unreadable, not an object, or lacks a
+    ``required`` field of the given type."""
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         run.problems.append(f"{run.rel(path)} is unreadable: {exc}")
         return None
+    if not isinstance(value, dict):
+        run.problems.append(f"{run.rel(path)} is not a JSON object ({type(value).__name__})")
+        return None
+    for key, typ in (required or {}).items():
+        if not isinstance(value.get(key), typ):
+            run.problems.append(f"{run.rel(path)}: field {key!r} is missing or not a {typ.__name__}")
+            return None
+    return value
 
 
 def is_run_dir(path: Path) -> bool:
@@ -132,16 +139,17 @@ def load_run(path: str | Path) -> Run:
             run.overrides = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
         except Exception as exc:  # noqa: BLE001
             run.problems.append(f".hydra/overrides.yaml is unreadable: {exc}")
-    run.launch = read_launch(path)
+    run.launch = _read_json(path / "launch.json", run, {"outcome": str})
     if run.launch and not run.overrides:
         run.overrides = list(run.launch.get("overrides") or [])
     run.job = _read_json(path / "job.json", run)
-    run.results = _read_json(path / "results.json", run)
+    run.results = _read_json(path / "results.json", run, {"metrics": dict, "per_rank": list, "world_size": int,
+                                                           "dataset": dict})
     ranks = sorted(int(m.group(1)) for p in (path / "ranks").glob("rank*")
                    if (m := re.fullmatch(r"rank(\d+)", p.name)))
     size = run.world_size or 0
     for r in sorted(set(ranks) | set(range(size))):
-        run.statuses[r] = read_status(path, r)
+        run.statuses[r] = _read_json(path / "ranks" / f"rank{r}" / "status.json", run, {"phase": str})
     return run
 
 

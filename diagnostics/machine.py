@@ -65,8 +65,9 @@ class Diagnosis:
 def diagnose(run: Run, probes: dict | None = None) -> Diagnosis:
     """Run every check of every state on ``run`` (and the probe results) and return the Diagnosis."""
     diag = Diagnosis(run)
-    for problem in run.problems:
-        diag.findings.append(Finding("INIT", "records", "warn", problem))
+    for problem in run.problems:  # a record that exists but cannot be read: nothing can be concluded from it
+        diag.findings.append(Finding("INIT", "records", "fail", problem + " (the doctor cannot judge what it held)",
+                                     [Evidence(problem.split(" ", 1)[0], "unreadable")]))
     for state in STATES:
         for check in CHECKS[state]:
             name = check.__name__.split("_", 1)[-1]

@@ -329,10 +329,10 @@ def _checkpoint(path, metric: Metric, coverage: SampleIdCoverage, key: dict, sam
 def _one_pass(cfg: Any, run_dir: str, rank: int, world_size: int, status: StatusWriter, comm: Communicator,
               dataset, model, metric: Metric, coverage: SampleIdCoverage, *, device, collate_fn, forward, skip: int,
               guard, sampler: str, faults, policy: SyncPolicy, seconds_load: float,
-              make_metric: Callable[[], Metric]) -> dict:
+              make_metric: Callable[[], Metric], exclude_ranks: list[int] | None = None) -> dict:
     """One trial of a rank: evaluate the shard, synchronise, check coverage, find outlier ranks and (opt-in)
-    synchronise once more without them. Returns {metrics (rank 0), coverage, rows, outliers, exclusion,
-    seconds_forward, seconds_sync}."""
+    synchronise once more without the excludable ones (``exclude_ranks``: an earlier trial's decision).
+    Returns {metrics (rank 0), coverage, rows, outliers, exclusion, excluded, seconds_forward, seconds_sync}."""
     from disteval import report
 
     progress = report.GlobalProgress(len(dataset), enabled=rank == 0 and cfg.eval.progress)
@@ -367,18 +367,21 @@ def _one_pass(cfg: Any, run_dir: str, rank: int, world_size: int, status: Status
         outliers = _outliers(rows, cfg)
         exclusion = None
         final = metric
-        if exclude and outliers["outliers"]:
-            # every rank holds the same gathered rows, so every rank takes the same decision (no collective)
+        # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
+        # several trials the first trial's decision holds for all, so that every trial covers the same samples
+        drop = outliers["excludable"] if exclude_ranks is None else exclude_ranks
+        if exclude and drop:
             final = make_metric()
             kept = SampleIdCoverage()
-            if rank not in outliers["outliers"]:
+            if rank not in drop:
                 final.load_synced(local_states)
                 kept.update_runs(local_runs)
             kept_runs, _ = synchronise(final, kept, comm, row, policy)
-            exclusion = {"ranks": outliers["outliers"], "runs": kept_runs}
+            exclusion = {"ranks": list(drop), "runs": kept_runs}
         seconds_sync = time.perf_counter() - t_sync
         progress.finish()
-    out = {"rows": rows, "outliers": outliers, "exclusion": None, "seconds_forward": outcome.seconds_forward,
+    out = {"rows": rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
+           "seconds_forward": outcome.seconds_forward,
            "seconds_sync": seconds_sync, "metrics": None, "coverage": None}
     if rank == 0:
         cov = check_coverage(runs, len(dataset))
@@ -526,7 +529,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             outcomes.append(_one_pass(cfg, run_dir, rank, world_size, status, comm, dataset, model, metric, coverage,
                                       device=device, collate_fn=collate_fn, forward=forward, skip=skip, guard=guard,
                                       sampler=sampler, faults=faults, policy=policy, seconds_load=seconds_load,
-                                      make_metric=lambda: build_metric(cfg, num_classes)))
+                                      make_metric=lambda: build_metric(cfg, num_classes),
+                                      exclude_ranks=outcomes[0]["excluded"] if outcomes else None))
             status.update(trial=trial + 1, force=True)
         results = None
         if rank == 0:

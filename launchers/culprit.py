@@ -1,9 +1,11 @@
 """Naming the rank that caused a failed run, from every rank's status.json (not a peer's network error).
 
 Rule (DESIGN.md): the culprit is the rank with the earliest non-network error; else the rank a victim
-blamed (rank 0 names a peer whose status stopped updating); else a rank that died (killed by a signal,
-non-zero exit) without recording any error; else a rank that never reached the synchronisation while its
-peers timed out waiting in it (stalled); else the earliest network error.
+blamed (rank 0 names a peer whose status stopped updating or said failed) unless that rank's own record
+shows it was itself a victim before it was blamed (a network error recorded earlier); else a rank that died
+(killed by a signal, non-zero exit) without recording any error; else a rank that stopped in
+init/data/forward without recording an error while its peers failed (died silently or hung); else a rank
+that never started; else the earliest network error.
 """
 from __future__ import annotations
 
@@ -32,7 +34,12 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
         _, r, s = own[0]
         err = s["error"]
         return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
-    blamed = sorted((e[0], e[2]["error"]["blames"], e[2]) for e in errors if e[2]["error"].get("blames") is not None)
+    def _victim_before(blamed_rank: int, when: float) -> bool:
+        err = (records.get(blamed_rank) or {}).get("error")
+        return bool(err) and is_network_error(err) and float(err.get("time", when)) <= when
+
+    blamed = sorted((e[0], e[2]["error"]["blames"], e[2]) for e in errors if e[2]["error"].get("blames") is not None
+                    and not _victim_before(int(e[2]["error"]["blames"]), e[0]))
     if blamed:
         _, r, s = blamed[0]
         return Culprit(r, s["error"]["message"], s["error"].get("traceback", ""))
@@ -49,8 +56,9 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
     if errors and stalled:
         r = stalled[0]
         s = records[r]
-        return Culprit(r, f"rank {r} stopped making progress ({recorded_progress(s)}); its peers timed out "
-                          f"waiting for it ({errors[0][2]['error']['message'][:200]})")
+        return Culprit(r, f"rank {r} stopped making progress without recording an error ({recorded_progress(s)}): "
+                          f"it died or hung, and its peers failed waiting for it "
+                          f"({sorted(errors)[0][2]['error']['message'][:200]})")
     if errors:
         _, r, s = sorted(errors)[0]
         err = s["error"]

@@ -53,10 +53,17 @@ def test_rank_outliers_modified_z_with_binomial_floor():
     out = rank_outliers(acc, n)
     med = np.median(acc)
     mad = sps.median_abs_deviation(acc)
-    z3 = (0.30 - med) / max(1.4826 * mad, np.sqrt(med * (1 - med) / 1000))
-    assert out["outliers"] == [3] and out["z"][3] == pytest.approx(z3, rel=1e-12)
+    p = np.dot(acc, n) / sum(n)
+    z3 = (0.30 - med) / max(1.4826 * mad, np.sqrt(p * (1 - p) * (1 / 1000 + 1 / 3000)))
+    assert out["outliers"] == out["low"] == out["excludable"] == [3] and out["z"][3] == pytest.approx(z3, rel=1e-12)
     # small shards: a difference within sampling noise is not an outlier even when MAD is tiny
     assert rank_outliers([0.90, 0.90, 0.90, 0.80], [50] * 4)["outliers"] == []
+    # 5 errors of 160 against 1 and 1: Fisher's exact test p = 0.044, far from the 3.5-sigma level (p = 4.7e-4)
+    out = rank_outliers([159 / 160, 155 / 160, 159 / 160], [160] * 3)
+    assert out["outliers"] == [] and sps.fisher_exact([[155, 5], [318, 2]]).pvalue > 2 * sps.norm.sf(3.5)
+    # two of three ranks broken: the healthy one stands out above; nothing may be excluded
+    out = rank_outliers([0.989, 0.10, 0.11], [180] * 3)
+    assert out["high"] == [0] and out["excludable"] == []
     assert rank_outliers([0.9, 0.1], [10, 10])["skipped"]
     assert rank_outliers([0.9, None, 0.9, 0.9], [10, 0, 10, 10])["z"][1] is None
 
@@ -87,9 +94,19 @@ def _write_status(run_dir, rank, **fields):
     (d / "status.json").write_text(json.dumps({**record, **fields}))
 
 
+def _write_results(run_dir, top1=(0.8, 1.0)):
+    per_rank = [{"rank": r, "host": "h", "shard": [5 * r, 5 * r + 5], "samples": 5, "metrics": {"accuracy": a},
+                 "images_per_s": None} for r, a in enumerate(top1)]
+    (run_dir / "results.json").write_text(json.dumps({
+        "world_size": len(top1), "dataset": {"num_samples": 10, "num_classes": 2}, "per_rank": per_rank,
+        "metrics": {"top1": sum(top1) / len(top1), "num_samples": 10},
+        "coverage": {"num_samples": 10, "missing": 0, "duplicated": 0, "out_of_range": 0, "ok": True}}))
+
+
 def test_a_crashing_check_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
     _write_status(tmp_path, 0)
     _write_status(tmp_path, 1)
+    _write_results(tmp_path)
 
     def broken(run, probes):
         raise KeyError("boom")
@@ -112,6 +129,25 @@ def test_never_started_rank_and_unreadable_record(tmp_path):
     assert any(f.check == "records" and "results.json is unreadable" in f.finding for f in diag.findings)
 
 
+@pytest.mark.parametrize("damage", ["results_missing", "results_empty", "results_list", "results_truncated",
+                                    "status_truncated", "status_list", "launch_bad_world_size"])
+def test_damaged_records_are_never_judged_healthy(tmp_path, damage):
+    """A healthy run's records, damaged one way each: the doctor must not call it healthy nor crash."""
+    _write_status(tmp_path, 0)
+    _write_status(tmp_path, 1)
+    _write_results(tmp_path)
+    (tmp_path / "launch.json").write_text(json.dumps({"outcome": "ok", "world_size": 2, "overrides": []}))
+    assert diagnose(load_run(tmp_path)).exit_code == 0  # intact: healthy
+    res, status, launch = tmp_path / "results.json", tmp_path / "ranks" / "rank1" / "status.json", tmp_path / "launch.json"
+    {"results_missing": lambda: res.unlink(), "results_empty": lambda: res.write_text("{}"),
+     "results_list": lambda: res.write_text("[]"), "results_truncated": lambda: res.write_text(res.read_text()[:40]),
+     "status_truncated": lambda: status.write_text(status.read_text()[:20]), "status_list": lambda: status.write_text("[1]"),
+     "launch_bad_world_size": lambda: launch.write_text(json.dumps({"outcome": "failed", "world_size": [3]})),
+     }[damage]()
+    diag = diagnose(load_run(tmp_path))
+    assert diag.verdict is not None and not diag.crashed, [(f.check, f.status, f.finding) for f in diag.findings]
+
+
 def test_sweep_directory_and_scheduler_timeout(tmp_path):
     """A sweep directory: every job is diagnosed; a SLURM TIMEOUT proposes twice the launcher's time limit."""
     import argparse
@@ -124,6 +160,7 @@ def test_sweep_directory_and_scheduler_timeout(tmp_path):
     for run in (ok, late):
         _write_status(run, 0)
         _write_status(run, 1)
+        _write_results(run)
     (late / ".hydra").mkdir()
     (late / ".hydra" / "hydra.yaml").write_text("hydra:\n  launcher:\n    timeout_min: 30\n")
     (late / "job.json").write_text(json.dumps({"job_id": "7", "state": "TIMEOUT", "error": "time limit",

@@ -10,8 +10,11 @@ inflate, and it states how many trials it dropped.
 
 Outlier ranks: each rank's *local* top-1 accuracy on its own shard is compared with the others by the
 modified z-score z = (x - median) / scale (Iglewicz and Hoaglin 1993, "How to Detect and Handle Outliers",
-threshold |z| > 3.5), with scale = max(1.4826 * MAD, binomial standard error sqrt(p (1 - p) / n_r)) so that the
-sampling noise of a small shard is never called an outlier.
+threshold |z| > 3.5), with scale = max(1.4826 * MAD, the standard error of the difference between rank r's
+accuracy and the other ranks' under one common accuracy p, sqrt(p (1 - p) (1/n_r + 1/n_others)), p pooled over
+all ranks) so that the sampling noise of a small shard is never called an outlier. Only *low* outliers may be
+excluded, and only while they are fewer than half of the ranks and no rank stands out *above* the others
+(which means most ranks are the broken ones).
 """
 from __future__ import annotations
 
@@ -79,24 +82,32 @@ def rank_outliers(accuracy: Sequence[float | None], samples: Sequence[int], thre
     """Modified z-scores of per-rank local accuracies (see the module docstring).
 
     accuracy: per rank, the fraction of its samples classified correctly (None for an empty shard); samples:
-    per rank, its sample count. Returns {median, mad, z [per rank, None where undefined], outliers [ranks with
-    |z| > threshold], threshold, skipped (reason, when fewer than 3 ranks have samples)}."""
+    per rank, its sample count. Returns {median, mad, pooled, z [per rank, None where undefined], outliers
+    (|z| > threshold), low, high, excludable (the low outliers when fewer than half the ranks and no high
+    outlier, else []), threshold, skipped (reason, when fewer than 3 ranks have samples)}."""
     ok = [r for r, (a, n) in enumerate(zip(accuracy, samples)) if a is not None and n > 0 and math.isfinite(a)]
-    out: dict = {"threshold": threshold, "z": [None] * len(accuracy), "outliers": [], "median": None, "mad": None,
-                 "skipped": None}
+    out: dict = {"threshold": threshold, "z": [None] * len(accuracy), "outliers": [], "low": [], "high": [],
+                 "excludable": [], "median": None, "mad": None, "pooled": None, "skipped": None}
     if len(ok) < 3:
         out["skipped"] = f"needs at least 3 ranks with samples, {len(ok)} had any"
         return out
     x = np.array([accuracy[r] for r in ok], dtype=np.float64)
+    n = np.array([samples[r] for r in ok], dtype=np.float64)
     med = float(np.median(x))
     mad = float(np.median(np.abs(x - med)))
-    out.update(median=med, mad=mad)
-    for r, xr in zip(ok, x):
-        n = int(samples[r])
-        p = min(max(med, 1.0 / n), 1.0 - 1.0 / n) if n > 1 else 0.5
-        scale = max(MAD_TO_SIGMA * mad, math.sqrt(p * (1.0 - p) / n))
-        z = float((xr - med) / scale)
+    total = float(n.sum())
+    p = float((x * n).sum() / total)
+    out.update(median=med, mad=mad, pooled=p)
+    p = min(max(p, 0.5 / total), 1.0 - 0.5 / total)
+    for r, xr, nr in zip(ok, x, n):
+        se = math.sqrt(p * (1.0 - p) * (1.0 / nr + 1.0 / (total - nr)))
+        z = float((xr - med) / max(MAD_TO_SIGMA * mad, se))
         out["z"][r] = z
-        if abs(z) > threshold:
-            out["outliers"].append(r)
+        if z < -threshold:
+            out["low"].append(r)
+        elif z > threshold:
+            out["high"].append(r)
+    out["outliers"] = sorted(out["low"] + out["high"])
+    if out["low"] and not out["high"] and len(out["low"]) < len(ok) / 2:
+        out["excludable"] = list(out["low"])
     return out
