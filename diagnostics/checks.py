@@ -227,7 +227,10 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
     if death and not err:
         ev = [Evidence("launch.json", death, field=f"error.deaths.{culprit.rank}"),
               _status_ev(run, culprit.rank, "phase"), _status_ev(run, culprit.rank, "samples_done")]
-        if "SIGKILL" in death:
+        drill = (run.launch or {}).get("faults") or ""
+        if "SIGKILL" in death and "kill" in drill:
+            remedy = Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it")
+        elif "SIGKILL" in death:
             bs = int(run.cfg("data.batch_size", 0) or 0)
             remedy = Remedy([f"data.batch_size={max(1, bs // 2)}"] if bs > 1 else [],
                             "a SIGKILL that nobody sent by hand is most often the kernel's out-of-memory killer (dmesg "
@@ -284,8 +287,12 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
         # DistributedSampler pads the index list with its first items and deals it out round-robin, so the
         # repeats land on ranks N % W .. W-1; drop_last cuts the last N % W positions
         first = n % size if delta else None
-        what = (f"repeats {delta} sample(s) so that every rank has {per} (ranks {first}..{size - 1} count one twice)"
-                if sampler == "padded" else f"drops {-delta} sample(s) so that every rank has {per}")
+        if not delta:
+            what = f"gives every rank {per} samples without repeats or drops here"
+        elif sampler == "padded":
+            what = f"repeats {delta} sample(s) so that every rank has {per} (ranks {first}..{size - 1} count one twice)"
+        else:
+            what = f"drops {-delta} sample(s) so that every rank has {per}"
         return Finding("SHARDS", "plan", "fail" if delta else "warn",
                        f"data.sampler={sampler} (torch's DistributedSampler) {what}: N={n}, W={size}"
                        + ("" if delta else " (N is a multiple of W here, but not in general)"),
@@ -447,7 +454,9 @@ def comm_stragglers(run: Run, probes: dict | None) -> Finding:
     med = statistics.median(rates.values())
     slow = {r: v for r, v in rates.items() if v < 0.5 * med}
     ev = [Evidence("results.json", f"{v:,.0f} images/s", field=f"per_rank[{r}].images_per_s") for r, v in rates.items()]
-    if slow:
+    slow = {r: v for r, v in slow.items()
+            if (per[[p["rank"] for p in per].index(r)].get("seconds") or {}).get("forward", 0.0) >= 1.0}
+    if slow:  # a rank that took under a second is no one's bottleneck, whatever its rate
         r = min(slow, key=slow.get)
         host = next((p.get("host") for p in per if p["rank"] == r), None)
         return Finding("COMM", "stragglers", "warn", f"rank {r} on {host} ran at {slow[r]:,.0f} images/s, under half "

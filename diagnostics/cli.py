@@ -20,6 +20,18 @@ from diagnostics.machine import diagnose
 from diagnostics.report import SCHEMA_VERSION, as_dict, print_diagnosis, remedy_command
 
 
+def _at_least(low, kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diagnostics", description="disteval's run doctor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,9 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--probe", action="store_true", help="also launch live probes with the run's configuration "
                      "(rendezvous, collective latency, shard balance, cross-rank drift)")
     doc.add_argument("--apply", action="store_true", help="rerun with the remedy, retrying with backoff until healthy")
-    doc.add_argument("--max-attempts", type=int, default=3, help="--apply: most reruns (default 3)")
-    doc.add_argument("--backoff-s", type=float, default=2.0, help="--apply: seconds before the 2nd rerun, doubling")
-    doc.add_argument("--attempt-timeout-s", type=float, default=3600.0, help="--apply: seconds one rerun may take")
+    doc.add_argument("--max-attempts", type=_at_least(1, int), default=3, help="--apply: most reruns (default 3)")
+    doc.add_argument("--backoff-s", type=_at_least(0.0, float), default=2.0,
+                     help="--apply: seconds before the 2nd rerun, doubling")
+    doc.add_argument("--attempt-timeout-s", type=_at_least(1.0, float), default=3600.0,
+                     help="--apply: seconds one rerun may take")
     doc.add_argument("--json", action="store_true", help="print the diagnosis as JSON (schema in diagnostics/report.py)")
     doc.add_argument("--verbose", "-v", action="store_true", help="also list skipped checks")
     return parser
@@ -60,13 +74,18 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
             if not args.json:
                 print_diagnosis(final, console, args.verbose)
             run_code = 0 if attempts and attempts[-1]["fixed"] else max(1, final.exit_code)
+            final_dict = as_dict(final)
         elif not args.json and diag.remedy is not None:
             console.print(f"[dim]apply it with: python -m diagnostics doctor {path} --apply[/]", soft_wrap=True,
                           highlight=False)
             run_code = diag.exit_code
         else:
             run_code = diag.exit_code
-        out.append(as_dict(diag, probes, attempts))
+        entry = as_dict(diag, probes, attempts)
+        if attempts:
+            entry["final"] = {k: final_dict[k] for k in ("run_dir", "verdict", "culprit_rank", "remedy")}
+            entry["fixed"] = bool(attempts[-1]["fixed"])
+        out.append(entry)
         code = max(code, run_code)
     return code, out
 

@@ -116,11 +116,14 @@ def probe_findings(probes: dict) -> list[Finding]:
     if drift:
         bad = [r for r, d in enumerate(drift["max_abs_logit_diff"]) if d > drift["tolerance"]]
         ev = [Evidence(src, str(drift), field="drift")]
+        ref = drift.get("reference", "rank 0")
         if bad:
+            majority = ref != "rank 0" and len(bad) < len(drift["max_abs_logit_diff"]) / 2
             out.append(Finding("RESULT", "probe.drift", "fail", f"on the same canary batch of {drift['batch']} samples, "
-                               f"rank(s) {bad} differ from rank 0 by up to {max(drift['max_abs_logit_diff']):.3g} in the "
-                               f"logits and disagree on {max(drift['argmax_disagreements'])} argmax(es): other weights or "
-                               "hardware", ev, culprit=bad[0]))
+                               f"rank(s) {bad} differ from the {ref} by up to {max(drift['max_abs_logit_diff']):.3g} in "
+                               f"the logits and disagree on {max(drift['argmax_disagreements'])} argmax(es): other weights "
+                               "or hardware" + ("" if majority else " (no majority of ranks agrees)"), ev,
+                               culprit=bad[0] if majority else None))
         else:
             out.append(Finding("RESULT", "probe.drift", "pass", f"the canary batch gives the same logits on every rank "
                                f"(max difference {max(drift['max_abs_logit_diff']):.3g})", ev))

@@ -12,7 +12,11 @@ JSON schema (``schema_version`` 1), one object per doctor invocation::
                            "evidence": [{"source", "field", "line", "value"}], "remedy", "culprit_rank"}],
                "probes": null | {...probe.json...},
                "attempts": [{"run_dir", "overrides": [str], "env": {str: str}, "exit_code": int,
-                             "verdict": str | null, "remedy": {...}, "fixed": bool, "warnings": [str]}]}]}
+                             "verdict": str | null, "remedy": {...}, "fixed": bool, "warnings": [str]}],
+               "final": {"run_dir", "verdict", "culprit_rank", "remedy"},    (only with --apply: the last attempt)
+               "fixed": bool}]}                                            (only with --apply)
+
+``verdict``/``remedy`` describe RUN_DIR as it was; after --apply, ``final`` describes the last attempt.
 
 ``remedy.command`` is the ready-to-paste shell line that applies the remedy to the run.
 """

@@ -71,7 +71,7 @@ def run(cfg: DictConfig) -> int:
         record = LaunchRecord(run_dir, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
                               overrides=list(hc.overrides.task), hydra_launcher=launcher or "basic",
                               world_size=int(cfg.dist.world_size), master_addr=str(cfg.dist.master_addr),
-                              master_port=int(cfg.dist.master_port))
+                              master_port=int(cfg.dist.master_port), faults=os.environ.get("DISTEVAL_FAULTS"))
     try:
         code, error = _run(cfg, run_dir, external, record)
     except BaseException as exc:  # an unexpected error still leaves a finished record

@@ -381,6 +381,7 @@ def _one_pass(cfg: Any, run_dir: str, rank: int, world_size: int, status: Status
         seconds_sync = time.perf_counter() - t_sync
         progress.finish()
     out = {"rows": rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
+           "batches": outcome.batches,
            "seconds_forward": outcome.seconds_forward,
            "seconds_sync": seconds_sync, "metrics": None, "coverage": None}
     if rank == 0:
@@ -532,6 +533,10 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                                       make_metric=lambda: build_metric(cfg, num_classes),
                                       exclude_ranks=outcomes[0]["excluded"] if outcomes else None))
             status.update(trial=trial + 1, force=True)
+        for fault in faults.unfired():
+            log.warning("%s=%s: %s after batch %d never fired: this rank had %d batches", "DISTEVAL_FAULTS",
+                        os.environ.get("DISTEVAL_FAULTS"), fault.kind, int(fault.params.get("batch", 1)),
+                        outcomes[-1]["batches"])
         results = None
         if rank == 0:
             last = outcomes[-1]
@@ -543,7 +548,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
                 device=str(device), timings={"load": seconds_load, "forward": sum(o["seconds_forward"] for o in outcomes),
                                              "sync": sum(o["seconds_sync"] for o in outcomes),
                                              "total": time.perf_counter() - t_total},
-                extra={"sampler": sampler, "exact": sampler == "exact" and last["coverage"].ok,
+                extra={"sampler": sampler, "exact": last["coverage"].ok,
                        "trials": trial_summary if trials > 1 else None, "outliers": last["outliers"],
                        "exclusion": last["exclusion"]})
             report.write_results(run_dir, results)

@@ -10,12 +10,14 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
     DISTEVAL_FAULTS="weights@2:std=0.5"            rank 2 perturbs its weights by N(0, std^2) (a node that
                                                    loaded a different checkpoint)
 
-Nothing happens when the variable is unset. A malformed value raises ValueError naming the variable, so a
-drill never runs silently without its fault. Faults act only in ranks of ``python -m disteval`` (and probes),
+Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
+ValueError naming the variable (``python -m disteval`` checks it before any rank starts). A ``batch`` index
+beyond a rank's last batch never fires: the rank writes a warning to its log. Faults act only in ranks of ``python -m disteval`` (and probes),
 never in library calls.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -56,8 +58,26 @@ def parse(text: str | None) -> list[Fault]:
         unknown = set(params) - KINDS[kind]
         if unknown:
             raise ValueError(f"{ENV}: {kind} takes {sorted(KINDS[kind])}, not {sorted(unknown)} ({item!r})")
+        if chosen is not None and any(r < 0 for r in chosen):
+            raise ValueError(f"{ENV}: ranks must be >= 0 in {item!r}")
+        batch = params.get("batch", 1.0)
+        if batch != int(batch) or batch < 1:
+            raise ValueError(f"{ENV}: batch must be a whole number >= 1 (the batch after which it fires) in {item!r}")
+        for key in ("seconds", "std"):
+            if key in params and not (math.isfinite(params[key]) and params[key] >= 0):
+                raise ValueError(f"{ENV}: {key} must be a finite number >= 0 in {item!r}")
         faults.append(Fault(kind, chosen, params))
     return faults
+
+
+def check_ranks(faults: list[Fault], world_size: int) -> None:
+    """Raise ValueError naming a fault aimed at a rank that does not exist in a run of ``world_size`` ranks
+    (it would never fire)."""
+    for f in faults:
+        missing = sorted(r for r in (f.ranks or ()) if r >= world_size)
+        if missing:
+            raise ValueError(f"{ENV}: {f.kind} aims at rank(s) {missing} but dist.world_size={world_size}; it would "
+                             "never fire")
 
 
 class FaultPlan:
@@ -67,6 +87,7 @@ class FaultPlan:
         self.rank = rank
         self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text) if f.hits(rank)]
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self._fired: list[Fault] = []
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -88,11 +109,16 @@ class FaultPlan:
                 outputs = outputs + torch.randn(outputs.shape, generator=self._rng).to(outputs) * f.params.get("std", 0.5)
         return outputs
 
+    def unfired(self) -> list[Fault]:
+        """kill/delay faults whose batch this rank never reached (its shard had fewer batches)."""
+        return [f for f in self.faults if f.kind in ("kill", "delay") and f not in self._fired]
+
     def on_batch(self, batches_done: int) -> None:
         """``kill``: SIGKILL this process after batch ``batch``; ``delay``: sleep ``seconds`` after it."""
         for f in self.faults:
             if int(f.params.get("batch", 1)) != batches_done:
                 continue
+            self._fired.append(f)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "delay":

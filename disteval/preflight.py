@@ -12,7 +12,7 @@ import torch
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.data.datasets import check_data_root, dataset_num_classes, input_shape, prepare_data
 from disteval.errors import ConfigError
-from disteval.faults import ENV as FAULTS_ENV, parse as parse_faults
+from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
 from disteval.data.sharding import SAMPLERS
 from disteval.metrics import METRIC_FAMILIES
 from disteval.metrics.robust import AGGREGATES
@@ -110,9 +110,12 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> int:
     Returns the number of classes; warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
     try:
-        parse_faults(os.environ.get(FAULTS_ENV))
+        world = int(os.environ["WORLD_SIZE"]) if external_launch_detected() else int(cfg.dist.world_size)
+        check_fault_ranks(parse_faults(os.environ.get(FAULTS_ENV)), world)
     except ValueError as exc:
-        raise ConfigError(FAULTS_ENV, f"{exc} (an environment variable for fault drills; unset it to run normally)") from None
+        message = str(exc).removeprefix(f"{FAULTS_ENV}: ")
+        raise ConfigError(FAULTS_ENV, f"{message} (an environment variable for fault drills; unset it to run "
+                          "normally)") from None
     if cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     from disteval.detection import check_detection_config, is_detection

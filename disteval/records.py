@@ -166,7 +166,7 @@ LAUNCH_RECORD = "launch.json"
 class LaunchRecord:
     """The driver's record of one ``python -m disteval`` invocation, ``RUN_DIR/launch.json`` (atomic):
     schema_version, argv (a command that reruns it), cwd, overrides (Hydra's task overrides), hydra_launcher,
-    world_size, master_addr, master_port, host, pid, t_start, and at the end outcome (running | ok |
+    world_size, master_addr, master_port, faults (DISTEVAL_FAULTS, if set), host, pid, t_start, and at the end outcome (running | ok |
     config_error | failed | interrupted), exit_code, t_end and error {type, message, key (config errors), rank
     (the culprit), deaths {rank: how the launcher saw it end}}. It is what diagnostics reads when no rank ever
     started (a port in use, a bad config) and how it reruns the job."""

@@ -50,16 +50,17 @@ def free_port() -> int:
 
 
 def launch_external(run_dir: Path, world_size: int, overrides: list[str], ports: list[int] | None = None,
-                    cwds: list[Path] | None = None, timeout: float = 180) -> list[int]:
+                    cwds: list[Path] | None = None, timeout: float = 180, env: dict | None = None) -> list[int]:
     """Start ``world_size`` processes of ``python -m disteval`` as an external launcher (torchrun, srun) would:
     env:// variables per rank; ``ports``/``cwds`` per rank let a test misconfigure one. Returns exit codes."""
     port = free_port()
     procs = []
     for r in range(world_size):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str((ports or [port] * world_size)[r]), PYTHONUNBUFFERED="1")
+        rank_env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str((ports or [port] * world_size)[r]), PYTHONUNBUFFERED="1", **(env or {}))
         procs.append(subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={run_dir}", *overrides],
-                                      cwd=(cwds or [run_dir.parent] * world_size)[r], env=env,
+                                      cwd=(cwds or [run_dir.parent] * world_size)[r], env=rank_env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     codes = []
     for p in procs:
@@ -111,9 +112,15 @@ def test_killed_rank(tmp_path):
     code, report = doctor(run)
     state, culprit, overrides, remedy = verdict(report)
     assert (code, state, culprit) == (1, "INIT/ranks_ran", 1)
-    assert overrides == ["data.batch_size=8"]  # SIGKILL without an error: the OOM killer's signature
     assert "SIGKILL" in report["runs"][0]["verdict"]["finding"]
-    assert "data.batch_size=8" in remedy["command"]
+    # launch.json knows it was a drill, so the remedy is to unset it (not the OOM remedy: a smaller batch)
+    assert overrides == [] and "fault drill" in remedy["why"]
+    launch = json.loads((run / "launch.json").read_text())
+    launch.pop("faults")
+    (run / "launch.json").write_text(json.dumps(launch))
+    code, report = doctor(run)
+    assert verdict(report)[2] == ["data.batch_size=8"]  # SIGKILL without an error: the OOM killer's signature
+    assert "data.batch_size=8" in report["runs"][0]["remedy"]["command"]
 
 
 def test_delayed_rank_past_timeout_and_apply_fixes_it(tmp_path):
@@ -144,6 +151,31 @@ def test_wrong_master_port_on_one_rank(tmp_path):
     state, culprit, overrides, remedy = verdict(report)
     assert (code, state, culprit) == (1, "INIT/joined", 1)
     assert remedy["env"] == {"MASTER_PORT": str(good)} and overrides == []
+
+
+def test_killed_rank_under_an_external_launcher(tmp_path):
+    """No launcher record says how the rank ended: its status stops in 'forward' with no error while its peers
+    fail with network errors. The doctor must name it, not a victim, and never call the run healthy."""
+    run = tmp_path / "extkill"
+    env_codes = launch_external(run, 3, ["communication.timeout_s=5", *QUICK], env={"DISTEVAL_FAULTS": "kill@1:batch=1"})
+    assert env_codes[1] == -9 and all(c != 0 for c in env_codes)
+    code, report = doctor(run)
+    state, culprit, _, _ = verdict(report)
+    assert (code, state, culprit) == (1, "INIT/ranks_ran", 1)
+
+
+def test_exclusion_is_decided_once_for_all_trials(tmp_path):
+    run = tmp_path / "trials_excl"
+    proc = run_disteval(*QUICK, "dist.world_size=3", "eval.trials=2", "eval.exclude_outlier_ranks=true", run_dir=run,
+                        env={"DISTEVAL_FAULTS": "weights@2:std=0.5"})
+    assert proc.returncode == 0, proc.stderr
+    res = load_results(run)
+    start, end = shard_bounds(540, 3, 2)
+    assert res["exclusion"]["ranks"] == [2] and res["metrics"]["num_samples"] == 540 - (end - start)
+    assert res["trials"]["agree"]  # both trials evaluated the same kept samples
+    logits, labels = digits_logits(CKPT)
+    keep = np.r_[0:start, end:len(labels)]
+    assert res["metrics"]["top1"] == pytest.approx(float((logits[keep].argmax(1) == labels[keep]).mean()), abs=1e-12)
 
 
 def test_port_in_use(tmp_path):
@@ -229,14 +261,18 @@ def test_failed_job_of_a_local_sweep_does_not_stop_the_sweep(tmp_path):
     """Hydra's basic launcher runs the jobs in one process: a failed job is marked failed, the next job runs,
     the summary lists both, and the doctor diagnoses the sweep directory job by job."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "disteval", "-m", "dist.world_size=2,1", f"hydra.sweep.dir={sweep}",
-                           *QUICK], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "DISTEVAL_FAULTS": "kill@1:batch=2"})  # W=1 has no rank 1
+    with socket.socket() as holder:  # the W=2 job needs the rendezvous port, the W=1 job does not
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "disteval", "-m", "dist.world_size=2,1", f"dist.master_port={port}",
+                               f"hydra.sweep.dir={sweep}", *QUICK], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
     assert proc.returncode == 1
     rows = (sweep / "summary.csv").read_text().splitlines()
-    assert rows[1].startswith("1,1,completed") and rows[2].startswith("0,2,failed") and "SIGKILL" in rows[2]
+    assert rows[1].startswith("1,1,completed") and rows[2].startswith("0,2,failed") and "already in use" in rows[2]
     code, report = doctor(sweep)
-    assert code == 1 and [r["verdict"] and r["verdict"]["check"] for r in report["runs"]] == ["ranks_ran", None]
+    assert code == 1 and [r["verdict"] and r["verdict"]["check"] for r in report["runs"]] == ["launch", None]
 
 
 def test_doctor_cannot_finish_on_a_missing_directory(tmp_path):

@@ -12,7 +12,7 @@ from diagnostics import checks
 from diagnostics.evidence import load_run
 from diagnostics.machine import diagnose
 from diagnostics.remedies import merge_overrides, shell_line
-from disteval.faults import FaultPlan, parse
+from disteval.faults import FaultPlan, check_ranks, parse
 from disteval.metrics.robust import rank_outliers, robust_stats, summarize_trials
 
 
@@ -74,9 +74,13 @@ def test_fault_parsing_and_plan():
         ("kill", frozenset({1}), {"batch": 2.0}), ("delay", frozenset({0, 2}), {"batch": 1.0, "seconds": 3.0}),
         ("noise", None, {"std": 0.1})]
     assert not FaultPlan(3, "kill@1:batch=2") and FaultPlan(1, "kill@1:batch=2")
-    for bad in ("explode@1", "kill@x:batch=1", "kill@1:seconds=2", "delay@1:batch"):
+    for bad in ("explode@1", "kill@x:batch=1", "kill@1:seconds=2", "delay@1:batch", "kill@-1:batch=1",
+                "kill@1:batch=0", "kill@1:batch=1.7", "delay@1:seconds=-5", "noise@*:std=nan", "weights@1:std=inf"):
         with pytest.raises(ValueError, match="DISTEVAL_FAULTS"):
             parse(bad)
+    check_ranks(parse("kill@1:batch=1"), 2)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[5\].*never fire"):
+        check_ranks(parse("kill@5:batch=1"), 2)
 
 
 def test_merge_overrides_and_shell_line():
