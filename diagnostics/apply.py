@@ -1,8 +1,8 @@
 """``doctor --apply``: rerun the job with the verdict's remedy, retrying with exponential backoff.
 
 Each attempt reruns ``python -m disteval`` with the original overrides plus every remedy applied so far (a
-later attempt keeps the earlier fixes) in its own directory ``RUN_DIR/doctor/attempt{n}``, then diagnoses
-that attempt. It stops when an attempt is healthy (and names the remedy that fixed it), when the verdict has
+later attempt keeps the earlier fixes) in its own directory ``RUN_DIR/doctor/attempt{n}`` (n counts on across
+invocations; the attempt's console output is kept there as console.log), then diagnoses that attempt. It stops when an attempt is healthy (and names the remedy that fixed it), when the verdict has
 no remedy, when the same (failure, remedy) pair comes up again, or after ``max_attempts``.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         tried.add(pair)
         overrides = merge_overrides(overrides, remedy.overrides)
         env.update(remedy.env)
-        run_dir = base.path / "doctor" / f"attempt{n}"
+        run_dir = _next_attempt_dir(base.path / "doctor")
         if n > 1:
             wait = backoff_s * 2 ** (n - 2)
             log(f"waiting {wait:g} s before attempt {n}")
@@ -54,9 +54,12 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         try:
             proc = subprocess.run(argv, cwd=cwd if Path(cwd).is_dir() else None, env={**os.environ, **env},
                                   capture_output=True, text=True, timeout=timeout_s)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = 124
+            code, console = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            code, console = 124, f"timed out after {timeout_s:g} s (--attempt-timeout-s)\n{partial}"
+        if run_dir.exists():
+            (run_dir / "console.log").write_text(console)
         current = diagnose(load_run(run_dir)) if run_dir.exists() else current
         fixed = code == 0 and current.verdict is None
         warnings = [f"{f.state}/{f.check}: {f.finding}" for f in current.findings if f.status == "warn"]
@@ -71,3 +74,11 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
     else:
         log(f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy")
     return current, attempts
+
+
+def _next_attempt_dir(doctor_dir: Path) -> Path:
+    """``doctor_dir/attempt{n}`` with the first n not used by an earlier --apply."""
+    n = 1
+    while (doctor_dir / f"attempt{n}").exists():
+        n += 1
+    return doctor_dir / f"attempt{n}"

@@ -446,9 +446,13 @@ def comm_mismatch(run: Run, probes: dict | None) -> Finding:
 
 
 def comm_stragglers(run: Run, probes: dict | None) -> Finding:
-    """Spread of per-rank forward throughput (images/s): a rank at under half the median is a straggler."""
+    """Spread of per-rank forward throughput (images/s): a rank at under half the median is a straggler. From
+    results.json, or for a run that did not finish from the status records' progress (samples_done over the
+    seconds since the rank joined)."""
     per = (run.results or {}).get("per_rank") or []
     rates = {p["rank"]: p.get("images_per_s") for p in per if p.get("images_per_s") and p.get("samples", 0) >= 32}
+    if not per:
+        return _progress_stragglers(run)
     if len(rates) < 2:
         return Finding("COMM", "stragglers", "skipped", "fewer than two ranks with a measured throughput")
     med = statistics.median(rates.values())
@@ -462,6 +466,26 @@ def comm_stragglers(run: Run, probes: dict | None) -> Finding:
         return Finding("COMM", "stragglers", "warn", f"rank {r} on {host} ran at {slow[r]:,.0f} images/s, under half "
                        f"the median {med:,.0f}: the run waits for it", ev, culprit=r)
     return Finding("COMM", "stragglers", "pass", f"per-rank throughput within 2x of the median {med:,.0f} images/s")
+
+
+def _progress_stragglers(run: Run) -> Finding:
+    rates, ev = {}, []
+    for r, s in run.statuses.items():
+        if s and s.get("joined") and s.get("samples_planned"):
+            elapsed = float(s.get("t_update") or 0) - float(s["joined"])
+            if elapsed >= 1.0:
+                rates[r] = float(s.get("samples_done") or 0) / elapsed
+                ev.append(Evidence(f"ranks/rank{r}/status.json", f"{s.get('samples_done')} samples in {elapsed:.1f} s",
+                                   field="samples_done"))
+    if len(rates) < 2:
+        return Finding("COMM", "stragglers", "skipped", "fewer than two ranks with recorded progress")
+    med = statistics.median(rates.values())
+    slow = {r: v for r, v in rates.items() if v < 0.5 * med}
+    if slow:
+        r = min(slow, key=slow.get)
+        return Finding("COMM", "stragglers", "warn", f"rank {r} progressed at {slow[r]:,.1f} samples/s, under half the "
+                       f"median {med:,.1f} (from the status records)", ev, culprit=r)
+    return Finding("COMM", "stragglers", "pass", f"recorded progress within 2x of the median {med:,.1f} samples/s", ev)
 
 
 # ---------------------------------------------------------------------------------------------- RESULT
