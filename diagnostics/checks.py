@@ -85,13 +85,6 @@ _INIT_RESOLVE = re.compile(r"gaierror|Name or service not known|Temporary failur
 _MISMATCH = re.compile(r"mismatch", re.I)
 
 
-def _int_value(override_value: str | None, default: float) -> float:
-    try:
-        return float(override_value) if override_value is not None else default
-    except ValueError:
-        return default
-
-
 # ------------------------------------------------------------------------------------------------ INIT
 def init_launch(run: Run, probes: dict | None) -> Finding:
     """The driver's record: a configuration error before any rank started (port in use, bad address, a bad

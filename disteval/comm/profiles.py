@@ -1,8 +1,6 @@
 """Hardware profiles: communication defaults chosen by device name from a table in the config (not code)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from disteval.errors import ConfigError
