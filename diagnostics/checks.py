@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from disteval.data.sharding import shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
-from disteval.records import is_network_error, recorded_progress
+from disteval.records import INTERRUPT_TYPES, is_network_error, recorded_progress
 from launchers.culprit import find_culprit
 
 from diagnostics.evidence import Evidence, Run, traceback_frame
@@ -72,8 +72,17 @@ def _errors(run: Run) -> dict[int, dict]:
     return {r: s["error"] for r, s in run.statuses.items() if s and s.get("error")}
 
 
+def _interrupted(run: Run) -> bool:
+    """The ranks were interrupted from outside (Ctrl-C, the driver killed): every recorded error is an interrupt."""
+    if (run.launch or {}).get("outcome") == "interrupted":
+        return True
+    errs = list(_errors(run).values())
+    return bool(errs) and all(e.get("type") in INTERRUPT_TYPES for e in errs) and \
+        (run.launch or {}).get("outcome") in (None, "running")
+
+
 def _culprit(run: Run):
-    if not run.failed or not run.world_size:
+    if not run.failed or not run.world_size or _interrupted(run):
         return None
     return find_culprit(str(run.path), run.world_size, run.deaths())
 
@@ -90,6 +99,10 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
     """The driver's record: a configuration error before any rank started (port in use, bad address, a bad
     key) or an interrupted run."""
     launch = run.launch
+    if launch is None and _interrupted(run):
+        return Finding("INIT", "launch", "fail", "the ranks were interrupted from outside (Ctrl-C or SIGTERM): no rank "
+                       "is to blame", [Evidence(f"ranks/rank{r}/status.json", e.get("type"), field="error.type")
+                                       for r, e in sorted(_errors(run).items())][:4], Remedy([], "rerun"))
     if launch is None:
         return Finding("INIT", "launch", "skipped", "no launch.json: the ranks were started by an external launcher "
                        "(torchrun, SLURM) or by an older disteval")
@@ -110,8 +123,11 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
                                   "address (single-node runs)"))
         return Finding("INIT", "launch", "fail", f"configuration error before any rank started at {key or 'config'}: "
                        f"{message[:200]}", ev)
-    if launch.get("outcome") == "interrupted":
-        return Finding("INIT", "launch", "warn", "the run was interrupted (SIGINT/SIGTERM); every rank was stopped", ev)
+    if _interrupted(run):
+        return Finding("INIT", "launch", "fail", "the run was interrupted from outside (Ctrl-C, SIGTERM, or the driver "
+                       "was killed): every rank was stopped; no rank is to blame", ev + [
+                           Evidence(f"ranks/rank{r}/status.json", e.get("type"), field="error.type")
+                           for r, e in sorted(_errors(run).items())][:4], Remedy([], "rerun"))
     if launch.get("outcome") == "running":
         return Finding("INIT", "launch", "warn", "launch.json says running: the driver is still running or was killed "
                        "before it could record an outcome", ev)
@@ -209,7 +225,11 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
     s = run.statuses.get(culprit.rank) or {}
     err = s.get("error") or {}
     death = run.deaths().get(culprit.rank)
-    if any(e.get("blames") == culprit.rank for e in _errors(run).values()) and (not err or is_network_error(err)):
+    # a rank blamed for stalling is a communication problem if it was alive: it recorded an error later (it woke up
+    # to find its peers gone) or our own launcher stopped it; one that never recorded anything under an external
+    # launcher died (or still hangs): see below
+    if any(e.get("blames") == culprit.rank for e in _errors(run).values()) and \
+            ((err and is_network_error(err)) or (not err and run.launch is not None)):
         return Finding("INIT", "ranks_ran", "pass", f"no rank died or raised an error of its own (rank {culprit.rank} "
                        "stalled while a peer waited: see COMM)")
     if err and not is_network_error(err) and err.get("blames") is None:
@@ -217,12 +237,20 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
             return Finding("INIT", "ranks_ran", "pass", f"rank {culprit.rank}'s coverage error is a shard problem (see SHARDS)")
         return Finding("INIT", "ranks_ran", "fail", f"rank {culprit.rank} raised {err.get('type')}: "
                        f"{str(err.get('message'))[:240]}", _error_ev(run, culprit.rank), culprit=culprit.rank)
+    peers_timed_out = any(_STALL.search(str(e.get("message", ""))) for r, e in _errors(run).items() if r != culprit.rank)
+    outside = bool(death) and not any(sig in death for sig in ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS", "exit"))
+    if not err and peers_timed_out and (outside or (not death and run.launch is not None)):
+        # its peers timed out waiting while it showed no error and our launcher saw no crash (it stopped the rank
+        # itself, or by SIGTERM): slow or hung, which a longer timeout tells apart. Under an external launcher a
+        # slow rank records an error once it wakes, so one that recorded nothing died (or still hangs).
+        return Finding("INIT", "ranks_ran", "pass", f"no rank died or raised an error of its own (rank {culprit.rank} "
+                       "stopped progressing while its peers timed out: see COMM)")
     if death and not err:
         ev = [Evidence("launch.json", death, field=f"error.deaths.{culprit.rank}"),
               _status_ev(run, culprit.rank, "phase"), _status_ev(run, culprit.rank, "samples_done")]
         drill = (run.launch or {}).get("faults") or ""
         if "SIGKILL" in death and "kill" in drill:
-            remedy = Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it")
+            remedy = Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it", unset=["DISTEVAL_FAULTS"])
         elif "SIGKILL" in death:
             bs = int(run.cfg("data.batch_size", 0) or 0)
             remedy = Remedy([f"data.batch_size={max(1, bs // 2)}"] if bs > 1 else [],
@@ -553,6 +581,11 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
                         + (f" and {left_out} were excluded" if left_out else ""))
     if not res.get("exact", True):
         problems.append(f"the run is marked inexact (data.sampler={res.get('sampler')})")
+    if not any(k in m for k in ("top1", "AP", "auroc_macro", "accuracy")):
+        problems.append("metrics holds no main metric (top1, AP or auroc_macro)")
+    counted = sum(int(p.get("samples") or 0) for p in res.get("per_rank") or [])
+    if res.get("exact", True) and (res.get("sampler") or "exact") == "exact" and n is not None and counted != n:
+        problems.append(f"the ranks counted {counted} samples (per_rank[].samples) but the dataset has {n}")
     ev = [Evidence("results.json", str(m.get(k)), field=f"metrics.{k}") for k in ("top1", "AP", "auroc_macro") if k in m]
     if problems:
         return Finding("RESULT", "sanity", "fail", "; ".join(problems), ev)

@@ -92,7 +92,7 @@ class Run:
 
 def _read_json(path: Path, run: Run, required: dict[str, type] | None = None) -> dict | None:
     """The JSON object in ``path``; None (and a problem noted) when it is unreadable, not an object, or lacks a
-    ``required`` field of the given type."""
+    ``required`` field (dotted; a trailing ``?`` = may be absent or null) of the given type."""
     if not path.exists():
         return None
     try:
@@ -104,9 +104,14 @@ def _read_json(path: Path, run: Run, required: dict[str, type] | None = None) ->
         run.problems.append(f"{run.rel(path)} is not a JSON object ({type(value).__name__})")
         return None
     for key, typ in (required or {}).items():
-        if not isinstance(value.get(key), typ):
-            run.problems.append(f"{run.rel(path)}: field {key!r} is missing or not a {typ.__name__}")
-            return None
+        optional = key.endswith("?")
+        field_value: Any = value
+        for part in key.rstrip("?").split("."):
+            field_value = field_value.get(part) if isinstance(field_value, dict) else None
+        if (field_value is None and optional) or (isinstance(field_value, typ) and not isinstance(field_value, bool)):
+            continue
+        run.problems.append(f"{run.rel(path)}: field {key.rstrip('?')!r} is missing or not a {typ.__name__}")
+        return None
     return value
 
 
@@ -117,7 +122,7 @@ def is_run_dir(path: Path) -> bool:
 def load_run(path: str | Path) -> Run:
     """Read every record of the run directory ``path``. Raises FileNotFoundError when it is not a directory
     or holds none of a run's records."""
-    path = Path(path)
+    path = Path(path).resolve()  # reruns start in the run's own working directory
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
     if not is_run_dir(path):
@@ -139,17 +144,18 @@ def load_run(path: str | Path) -> Run:
             run.overrides = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
         except Exception as exc:  # noqa: BLE001
             run.problems.append(f".hydra/overrides.yaml is unreadable: {exc}")
-    run.launch = _read_json(path / "launch.json", run, {"outcome": str})
+    run.launch = _read_json(path / "launch.json", run, {"outcome": str, "world_size?": int})
     if run.launch and not run.overrides:
         run.overrides = list(run.launch.get("overrides") or [])
-    run.job = _read_json(path / "job.json", run)
+    run.job = _read_json(path / "job.json", run, {"world_size?": int})
     run.results = _read_json(path / "results.json", run, {"metrics": dict, "per_rank": list, "world_size": int,
-                                                           "dataset": dict})
+                                                           "dataset.num_samples": int, "coverage": dict})
     ranks = sorted(int(m.group(1)) for p in (path / "ranks").glob("rank*")
                    if (m := re.fullmatch(r"rank(\d+)", p.name)))
     size = run.world_size or 0
     for r in sorted(set(ranks) | set(range(size))):
-        run.statuses[r] = _read_json(path / "ranks" / f"rank{r}" / "status.json", run, {"phase": str})
+        run.statuses[r] = _read_json(path / "ranks" / f"rank{r}" / "status.json", run,
+                                     {"phase": str, "samples_done?": int, "samples_planned?": int})
     return run
 
 

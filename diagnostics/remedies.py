@@ -16,13 +16,18 @@ class Remedy:
     overrides: list[str]
     why: str
     env: dict[str, str] = field(default_factory=dict)
+    unset: list[str] = field(default_factory=list)  # environment variables to remove
 
     def key(self) -> tuple:
         """Identity for "never the same (failure, remedy) pair twice"."""
-        return tuple(sorted(self.overrides)), tuple(sorted(self.env.items()))
+        return tuple(sorted(self.overrides)), tuple(sorted(self.env.items())), tuple(sorted(self.unset))
+
+    def describe(self) -> str:
+        parts = self.overrides + [f"{k}={v}" for k, v in self.env.items()] + [f"unset {k}" for k in self.unset]
+        return " ".join(parts) or "a plain rerun"
 
     def as_dict(self) -> dict:
-        return {"overrides": list(self.overrides), "env": dict(self.env), "why": self.why}
+        return {"overrides": list(self.overrides), "env": dict(self.env), "unset": list(self.unset), "why": self.why}
 
 
 def override_key(override: str) -> str:
@@ -63,8 +68,9 @@ def rerun_command(overrides: list[str], run_dir: Path | None = None, env: dict[s
     return argv
 
 
-def shell_line(argv: list[str], env: dict[str, str] | None = None) -> str:
-    """A ready-to-paste shell line (``VAR=value python -m disteval ...``), every word quoted as needed."""
-    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+def shell_line(argv: list[str], env: dict[str, str] | None = None, unset: list[str] | None = None) -> str:
+    """A ready-to-paste shell line (``[env -u VAR] VAR=value python -m disteval ...``), words quoted as needed."""
+    prefix = (["env"] + [f"-u {shlex.quote(k)}" for k in sorted(unset)] if unset else [])
+    prefix += [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
     words = ["python" if a == sys.executable else a for a in argv]
     return " ".join(prefix + [shlex.quote(w) for w in words])

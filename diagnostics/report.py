@@ -40,7 +40,7 @@ def remedy_command(diag: Diagnosis) -> str | None:
     if remedy is None:
         return None
     argv = rerun_command(merge_overrides(run_overrides(diag.run), remedy.overrides))
-    return shell_line(argv, remedy.env)
+    return shell_line(argv, remedy.env, remedy.unset)
 
 
 def as_dict(diag: Diagnosis, probes: dict | None = None, attempts: list[dict] | None = None) -> dict:
@@ -70,7 +70,7 @@ def print_diagnosis(diag: Diagnosis, console: Console, verbose: bool = False) ->
         ev = "\n".join(escape(e.text()) for e in f.evidence[:3])
         remedy = ""
         if f.remedy:
-            remedy = " ".join(f.remedy.overrides + [f"{k}={v}" for k, v in f.remedy.env.items()]) or "(rerun)"
+            remedy = f.remedy.describe()
             remedy = escape(remedy) + f"\n[dim]{escape(f.remedy.why)}[/]"
         table.add_row(MARKS[f.status], f.state, f.check, escape(f.finding), ev, remedy)
     console.print(table)

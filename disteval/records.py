@@ -33,7 +33,8 @@ _NETWORK_PATTERNS = re.compile(
 )
 _NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "PeerFailedError",
                   "ConnectionError", "ConnectionResetError", "BrokenPipeError", "TimeoutError",
-                  "SignalException"}
+                  "SignalException", "KeyboardInterrupt"}  # interrupts come from outside the rank
+INTERRUPT_TYPES = {"SignalException", "KeyboardInterrupt"}
 
 
 _UMASK = os.umask(0)

@@ -5,7 +5,8 @@ blamed (rank 0 names a peer whose status stopped updating or said failed) unless
 shows it was itself a victim before it was blamed (a network error recorded earlier); else a rank that died
 (killed by a signal, non-zero exit) without recording any error; else a rank that stopped in
 init/data/forward without recording an error while its peers failed (died silently or hung); else a rank
-that never started; else the earliest network error.
+that never started; else, when every rank recorded a consequence, the rank that had not finished its shard
+while others had (the slow one they waited for); else the earliest network error.
 """
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = 
         return Culprit(r, f"rank {r} stopped making progress without recording an error ({recorded_progress(s)}): "
                           f"it died or hung, and its peers failed waiting for it "
                           f"({sorted(errors)[0][2]['error']['message'][:200]})")
+    # every rank recorded a consequence: the one that had not finished its shard while others had (they waited
+    # for it in the synchronisation and timed out) is the slow one
+    lag = sorted((float(s.get("samples_done") or 0) / max(1, int(s.get("samples_planned") or 1)), r)
+                 for _, r, s in errors if s.get("samples_planned") and (s.get("samples_done") or 0) < s["samples_planned"])
+    finished = [r for _, r, s in errors if s.get("samples_planned") and (s.get("samples_done") or 0) >= s["samples_planned"]]
+    if lag and finished:
+        r = lag[0][1]
+        return Culprit(r, f"rank {r} was the slowest: it had not finished its shard ({recorded_progress(records[r])}) "
+                          f"while rank(s) {finished} had and failed waiting for it "
+                          f"({records[finished[0]]['error']['message'][:200]})")
     if errors:
         _, r, s = sorted(errors)[0]
         err = s["error"]

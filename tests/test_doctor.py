@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +142,38 @@ def test_delayed_rank_past_timeout_and_apply_fixes_it(tmp_path):
     logits, labels = digits_logits(CKPT)
     assert fixed["metrics"]["top1"] == pytest.approx(float((logits.argmax(1) == labels).mean()), abs=1e-12)
     assert fixed["coverage"]["ok"]
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_slow_rank_zero_is_named_not_the_peers_that_waited(tmp_path, external):
+    """Rank 0 (which also watches its peers) is the slow one: the peers finish, wait in the synchronisation
+    and time out. The culprit is rank 0 and the remedy a longer timeout, under either launcher."""
+    run = tmp_path / "slow0"
+    faults = {"DISTEVAL_FAULTS": "delay@0:batch=1,seconds=12"}
+    if external:
+        launch_external(run, 3, ["communication.timeout_s=4", *QUICK], env=faults)
+    else:
+        proc = run_disteval(*QUICK, "dist.world_size=3", "communication.timeout_s=4", run_dir=run, env=faults)
+        assert proc.returncode == 1
+    code, report = doctor(run)
+    state, culprit, overrides, _ = verdict(report)
+    assert (code, state, culprit, overrides) == (1, "COMM/timeout", 0, ["communication.timeout_s=60"])
+
+
+def test_interrupted_run_blames_no_rank(tmp_path):
+    run = tmp_path / "interrupted"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DISTEVAL_FAULTS="delay@1:batch=1,seconds=60")
+    proc = subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={run}", "dist.world_size=2", *QUICK],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not all((run / "ranks" / f"rank{r}" / "status.json").exists() for r in (0, 1)):
+        time.sleep(0.5)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C on the driver
+    assert proc.wait(timeout=120) == 130
+    code, report = doctor(run)
+    state, culprit, _, _ = verdict(report)
+    assert (code, state, culprit) == (1, "INIT/launch", None) and "interrupted" in report["runs"][0]["verdict"]["finding"]
 
 
 def test_wrong_master_port_on_one_rank(tmp_path):

@@ -98,6 +98,12 @@ def _write_status(run_dir, rank, **fields):
     (d / "status.json").write_text(json.dumps({**record, **fields}))
 
 
+def _edit(path, change):
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
 def _write_results(run_dir, top1=(0.8, 1.0)):
     per_rank = [{"rank": r, "host": "h", "shard": [5 * r, 5 * r + 5], "samples": 5, "metrics": {"accuracy": a},
                  "images_per_s": None} for r, a in enumerate(top1)]
@@ -134,7 +140,8 @@ def test_never_started_rank_and_unreadable_record(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["results_missing", "results_empty", "results_list", "results_truncated",
-                                    "status_truncated", "status_list", "launch_bad_world_size"])
+                                    "results_no_coverage", "results_no_metrics", "results_rank_count", "results_n_string",
+                                    "status_truncated", "status_list", "launch_bad_world_size", "launch_world_size_text"])
 def test_damaged_records_are_never_judged_healthy(tmp_path, damage):
     """A healthy run's records, damaged one way each: the doctor must not call it healthy nor crash."""
     _write_status(tmp_path, 0)
@@ -147,6 +154,11 @@ def test_damaged_records_are_never_judged_healthy(tmp_path, damage):
      "results_list": lambda: res.write_text("[]"), "results_truncated": lambda: res.write_text(res.read_text()[:40]),
      "status_truncated": lambda: status.write_text(status.read_text()[:20]), "status_list": lambda: status.write_text("[1]"),
      "launch_bad_world_size": lambda: launch.write_text(json.dumps({"outcome": "failed", "world_size": [3]})),
+     "launch_world_size_text": lambda: launch.write_text(json.dumps({"outcome": "ok", "world_size": "two"})),
+     "results_no_coverage": lambda: _edit(res, lambda r: r.pop("coverage")),
+     "results_no_metrics": lambda: _edit(res, lambda r: r.update(metrics={})),
+     "results_rank_count": lambda: _edit(res, lambda r: r["per_rank"][1].update(samples=0)),
+     "results_n_string": lambda: _edit(res, lambda r: r["dataset"].update(num_samples="10")),
      }[damage]()
     diag = diagnose(load_run(tmp_path))
     assert diag.verdict is not None and not diag.crashed, [(f.check, f.status, f.finding) for f in diag.findings]
