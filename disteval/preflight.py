@@ -52,6 +52,9 @@ def validate_config(cfg: Any) -> None:
             raise ConfigError(f"eval.{key}", f"must be a finite number > 0, got {cfg.eval[key]}")
     if cfg.data.sampler not in SAMPLERS:
         raise ConfigError("data.sampler", f"{cfg.data.sampler!r} is not one of {list(SAMPLERS)}")
+    if cfg.eval.exclude_outlier_ranks and cfg.data.sampler != "exact":
+        raise ConfigError("eval.exclude_outlier_ranks", f"needs data.sampler=exact: with {cfg.data.sampler} the ranks "
+                          "share repeated samples, so leaving a rank out is not leaving its shard out")
     if cfg.eval.exclude_outlier_ranks and "classification" not in cfg.eval.metrics:
         raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from per-rank top-1 accuracy: "
                           "it needs classification in eval.metrics")

@@ -92,3 +92,28 @@ def test_conf_found_from_installed_wheel(tmp_path):
 
 def test_checkout_uses_its_conf_folder():
     assert conf_dir() == str(REPO / "conf")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("eval.trials=0", "eval.trials"), ("eval.trial_aggregate=mode", "eval.trial_aggregate"),
+    ("eval.clip_sigma=0", "eval.clip_sigma"), ("eval.outlier_z=-1", "eval.outlier_z"),
+    ("data.sampler=shuffled", "data.sampler"),
+    ("eval.exclude_outlier_ranks=true,data.sampler=padded", "eval.exclude_outlier_ranks"),
+    ("eval.exclude_outlier_ranks=true,eval.metrics=[ranking]", "eval.exclude_outlier_ranks")])
+def test_robust_aggregation_settings_refused_before_ranks(override, key):
+    from disteval.errors import ConfigError
+    from disteval.preflight import validate_config
+
+    cfg = _compose(*override.split(",") if "[" not in override else override.split(",", 1))
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert info.value.key == key
+
+
+def test_fault_drill_refused_before_ranks(monkeypatch):
+    from disteval.errors import ConfigError
+    from disteval.preflight import preflight
+
+    monkeypatch.setenv("DISTEVAL_FAULTS", "kill@2:batch=1")  # no rank 2 at dist.world_size=2
+    with pytest.raises(ConfigError, match=r"DISTEVAL_FAULTS: kill aims at rank\(s\) \[2\]"):
+        preflight(_compose())

@@ -185,3 +185,45 @@ def test_sweep_directory_and_scheduler_timeout(tmp_path):
     code, runs = doctor(args, Console(file=open("/dev/null", "w")))
     assert code == 1 and [r["verdict"] for r in runs][0] is None
     assert runs[1]["verdict"]["check"] == "scheduler" and runs[1]["remedy"]["overrides"] == ["hydra.launcher.timeout_min=60"]
+
+
+def test_checks_on_recorded_symptoms(tmp_path):
+    """Checks that the process tests do not reach, on records written as the ranks would write them."""
+    from diagnostics.machine import probe_findings
+
+    # mismatched collectives: gloo's message names it; the remedy is a DETAIL rerun
+    _write_status(tmp_path, 0, phase="failed", error={"type": "RuntimeError", "message": "Detected mismatch between "
+                  "collectives on ranks. Rank 0 is running collective: ALLREDUCE"})
+    _write_status(tmp_path, 1)
+    diag = diagnose(load_run(tmp_path))
+    mismatch = next(f for f in diag.findings if f.check == "mismatch")
+    assert mismatch.status == "fail" and mismatch.remedy.env == {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+    # an unresolvable rendezvous address found by the driver before any rank started
+    run = tmp_path / "addr"
+    run.mkdir()
+    (run / "launch.json").write_text(json.dumps({"outcome": "config_error", "world_size": 2, "master_addr": "nohost.x",
+                                                 "error": {"key": "dist.master_addr", "message": "cannot resolve"}}))
+    diag = diagnose(load_run(run))
+    assert (diag.verdict.check, diag.remedy.overrides) == ("launch", ["dist.master_addr=127.0.0.1"])
+
+    # TF32 and cuDNN benchmark on a GPU: a warning with the deterministic remedy; a straggler rank
+    run = tmp_path / "gpu"
+    for r in range(3):
+        _write_status(run, r)
+    _write_results(run, top1=(0.9, 0.9, 0.9))
+    _edit(run / "results.json", lambda res: res.update(device="cuda:0", precision={"tf32": True, "cudnn_benchmark": True,
+                                                                                  "deterministic": False}))
+    _edit(run / "results.json", lambda res: [p.update(images_per_s=v, seconds={"forward": 40.0}, samples=400)
+                                             for p, v in zip(res["per_rank"], (100.0, 95.0, 30.0))])
+    findings = {f.check: f for f in diagnose(load_run(run)).findings}
+    assert findings["flags"].status == "warn" and "precision.tf32=true" in findings["flags"].finding
+    assert findings["stragglers"].status == "warn" and findings["stragglers"].culprit == 2
+
+    # probes: a rank absent from the monitored barrier, and drift without a majority
+    found = {f.check: f for f in probe_findings({"world_size": 2, "rendezvous": {"missing": [1], "timeout_s": 30},
+                                                 "drift": {"batch": 8, "tolerance": 1e-4, "reference": "rank 0",
+                                                           "max_abs_logit_diff": [0.0, 0.7],
+                                                           "argmax_disagreements": [0, 3]}})}
+    assert found["probe.rendezvous"].status == "fail" and found["probe.rendezvous"].culprit == 1
+    assert found["probe.drift"].status == "fail" and found["probe.drift"].culprit is None
