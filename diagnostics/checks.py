@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from disteval.data.sharding import shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
 from disteval.records import INTERRUPT_TYPES, is_network_error, recorded_progress
-from launchers.culprit import find_culprit
+from launchers.culprit import culprit_from_records
 
 from diagnostics.evidence import Evidence, Run, traceback_frame
 from diagnostics.remedies import Remedy
@@ -82,9 +82,12 @@ def _interrupted(run: Run) -> bool:
 
 
 def _culprit(run: Run):
-    if not run.failed or not run.world_size or _interrupted(run):
-        return None
-    return find_culprit(str(run.path), run.world_size, run.deaths())
+    """The culprit rank by the launchers' rule, from the records the doctor read (computed once per run)."""
+    if "culprit" not in run.derived:
+        failed = run.failed and run.world_size and not _interrupted(run)
+        run.derived["culprit"] = culprit_from_records(
+            {r: run.statuses.get(r) for r in range(run.world_size)}, run.deaths()) if failed else None
+    return run.derived["culprit"]
 
 
 _STALL = re.compile(r"stalled|never wrote a status record|timed out|timeout|deadline", re.I)

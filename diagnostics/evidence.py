@@ -48,6 +48,7 @@ class Run:
     results: dict | None = None
     statuses: dict[int, dict | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # records that exist but could not be read
+    derived: dict[str, Any] = field(default_factory=dict)  # values computed once from the records (the culprit)
 
     @property
     def world_size(self) -> int | None:

@@ -161,13 +161,9 @@ def launcher_kind(run) -> str:
 
 def _probe_task(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
     """One probe rank inside a submitit task: export the rank environment, then run the probe."""
-    import os
+    from launchers.submitit import export_rank_env
 
-    import submitit
-
-    env = submitit.helpers.TorchDistributedEnvironment()
-    env.export(set_cuda_visible_devices=False)
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    export_rank_env()
     probe_entry(cfg_container, out_dir, payload_bytes)
 
 

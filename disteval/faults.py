@@ -12,8 +12,8 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
 
 Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
 ValueError naming the variable (``python -m disteval`` checks it before any rank starts). A ``batch`` index
-beyond a rank's last batch never fires: the rank writes a warning to its log. Faults act only in ranks of ``python -m disteval`` (and probes),
-never in library calls.
+beyond a rank's last batch never fires: the rank writes a warning to its log. Faults act only in ranks of
+``python -m disteval`` (and probes), never in library calls.
 """
 from __future__ import annotations
 

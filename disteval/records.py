@@ -196,14 +196,6 @@ class LaunchRecord:
         self.write()
 
 
-def read_launch(run_dir: str | os.PathLike) -> dict | None:
-    """``RUN_DIR/launch.json`` or None when absent or unreadable."""
-    try:
-        return json.loads((Path(run_dir) / LAUNCH_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def json_safe(value: Any) -> Any:
     """Replace float NaN/inf by None recursively, so results are valid JSON (undefined metric = null)."""
     if isinstance(value, float):

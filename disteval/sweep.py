@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 MAIN_METRICS = ("top1", "AP", "auroc_macro")  # the first one present is the job's main metric
@@ -126,7 +127,7 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         try:
             if "BasicLauncher" not in str(config.hydra.launcher.get("_target_", "")) or \
-                    str(config.hydra.mode) != "RunMode.MULTIRUN":
+                    config.hydra.mode != RunMode.MULTIRUN:
                 return
             from rich.console import Console
 

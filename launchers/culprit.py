@@ -25,9 +25,15 @@ class Culprit:
 
 
 def find_culprit(run_dir: str, world_size: int, deaths: dict[int, str] | None = None) -> Culprit:
-    """Choose the culprit. ``deaths`` maps rank -> how the launcher saw it end (e.g. "killed by SIGKILL")."""
+    """Choose the culprit from RUN_DIR's status records. ``deaths`` maps rank -> how the launcher saw it end
+    (e.g. "killed by SIGKILL")."""
+    return culprit_from_records({r: read_status(run_dir, r) for r in range(world_size)}, deaths)
+
+
+def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str] | None = None) -> Culprit:
+    """The rule of the module docstring on status records already read ({rank: record or None} for every rank
+    0..W-1; None = no readable record)."""
     deaths = deaths or {}
-    records = {r: read_status(run_dir, r) for r in range(world_size)}
     errors = [(s["error"].get("time", s.get("t_update", 0.0)), r, s) for r, s in records.items()
               if s and s.get("error")]
     own = sorted(e for e in errors if not is_network_error(e[2]["error"]))

@@ -67,9 +67,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         import submitit
 
         warnings.filterwarnings("ignore", message=SCHEMA_WARNING)
-        env = submitit.helpers.TorchDistributedEnvironment()
-        env.export(set_cuda_visible_devices=False)
-        os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+        export_rank_env()
         os.environ["TORCHELASTIC_RUN_ID"] = f"slurm-{submitit.JobEnvironment().job_id}"
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
 
@@ -195,6 +193,16 @@ def _disteval_error(job) -> str | None:
     return lines[-1] if lines else None
 
 
+def export_rank_env() -> None:
+    """Inside a submitit task: export RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    (submitit's TorchDistributedEnvironment), so that the task runs as one env:// rank."""
+    import submitit
+
+    env = submitit.helpers.TorchDistributedEnvironment()
+    env.export(set_cuda_visible_devices=False)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+
+
 def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int):
     """A submitit AutoExecutor for ``cluster`` (slurm | local) from the launcher's options (``params``, as in
     conf/hydra/launcher/submitit_*.yaml; ``submitit_folder`` required), with ``nodes`` x ``tasks_per_node``
@@ -224,4 +232,4 @@ def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, worl
         pass
 
 
-__all__ = ["DistevalSubmititLauncher", "JobFailed", "job_shape", "make_executor"]
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor"]
