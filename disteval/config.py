@@ -8,6 +8,7 @@ wrong type fails at composition with Hydra's error naming the full key (e.g. ``K
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from datetime import datetime
 from dataclasses import dataclass, field
@@ -17,6 +18,24 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from disteval.errors import ConfigError
+from disteval.precision import check_metric_dtypes
+
+SAMPLERS = ("exact", "padded", "drop_last")
+AGGREGATES = ("mean", "median", "sigma_clip")
+
+
+def _finite_positive(key: str, value: Any, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if value is None or not math.isfinite(float(value)) or float(value) <= 0:
+        raise ConfigError(key, f"must be a finite number > 0{' or null' if nullable else ''}, got {value}")
+
+
+def _at_least(key: str, value: Any, low: int, nullable: bool = False) -> None:
+    if (value is None and not nullable) or (value is not None and value < low):
+        raise ConfigError(key, f"must be an integer >= {low}{' or null' if nullable else ''}, got {value}")
 
 
 class ModelDtype(str, Enum):
@@ -48,6 +67,16 @@ class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class Mode(str, Enum):
+    """``eval.mode``: ``bitwise`` (default) makes results.json's metrics bit-identical at every world size
+    (batch-aligned shards, a fixed thread count, order-independent float sums); ``fast`` keeps sample-even
+    shards, shares the cores among local ranks and all-reduces float sums (exact counts, floats within
+    rounding)."""
+
+    bitwise = "bitwise"
+    fast = "fast"
 
 
 @dataclass
@@ -100,6 +129,21 @@ class DataConfig:
     predictions: Optional[str] = None
     sampler: str = "exact"
 
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``data.*`` key."""
+        _at_least("data.batch_size", self.batch_size, 1)
+        _at_least("data.limit", self.limit, 1, nullable=True)
+        _at_least("data.num_workers", self.num_workers, 0)
+        if self.sampler not in SAMPLERS:
+            raise ConfigError("data.sampler", f"{self.sampler!r} is not one of {list(SAMPLERS)}")
+        if self.name == "imagefolder":
+            if self.resize_size < 1 or self.crop_size < 1:
+                raise ConfigError("data.crop_size" if self.crop_size < 1 else "data.resize_size",
+                                  f"must be >= 1 pixel, got {self.resize_size} / {self.crop_size}")
+            if len(self.mean) != 3 or len(self.std) != 3 or any(v <= 0 for v in self.std):
+                raise ConfigError("data.mean", f"data.mean and data.std need 3 values (RGB), std > 0; got "
+                                  f"{list(self.mean)} / {list(self.std)}")
+
 
 @dataclass
 class PrecisionConfig:
@@ -111,6 +155,10 @@ class PrecisionConfig:
     deterministic: bool = False
     count_dtype: str = "int64"
     sum_dtype: str = "float64"
+
+    def validate(self) -> None:
+        """Raises ConfigError for metric state dtypes narrower than int64 / float64."""
+        check_metric_dtypes(self)
 
 
 @dataclass
@@ -139,12 +187,24 @@ class CommunicationConfig:
     profile: str = "none"
     profiles: List[Dict[str, Any]] = field(default_factory=list)
 
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``communication.*`` key."""
+        _finite_positive("communication.timeout_s", self.timeout_s)
+        _finite_positive("communication.sync_timeout_s", self.sync_timeout_s, nullable=True)
+        _at_least("communication.async_threshold_bytes", self.async_threshold_bytes, 0, nullable=True)
+        _at_least("communication.chunk_bytes", self.chunk_bytes, 1)
+        _at_least("communication.max_in_flight", self.max_in_flight, 1)
+        _at_least("communication.reduce_scatter_min_bytes", self.reduce_scatter_min_bytes, 0, nullable=True)
+
 
 @dataclass
 class DistConfig:
     """``dist.*``: how many ranks and how they come to exist (``launcher: local`` = torch.distributed.elastic
     on this machine). master_port 0 = a free port chosen by the rendezvous. ranks_per_node: under the
-    submitit launchers, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node)."""
+    submitit launchers, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node).
+    threads: intra-op threads of each rank (``torch.set_num_threads``); null = 1 in ``eval.mode=bitwise`` (a
+    value that does not change with the world size, so outputs do not either) and the machine's cores shared
+    among the local ranks in ``fast`` mode."""
 
     world_size: int = 2
     launcher: str = "local"
@@ -152,6 +212,15 @@ class DistConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     ranks_per_node: Optional[int] = None
+    threads: Optional[int] = None
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``dist.*`` key."""
+        _at_least("dist.world_size", self.world_size, 1)
+        _at_least("dist.threads", self.threads, 1, nullable=True)
+        if self.launcher != "local":
+            raise ConfigError("dist.launcher", f"unknown launcher {self.launcher!r}; available: ['local'] "
+                              "(or start ranks yourself with torchrun)")
 
 
 @dataclass
@@ -165,8 +234,14 @@ class EvalConfig:
     local top-1 accuracies with a modified z-score beyond it are reported as outlier ranks;
     exclude_outlier_ranks: leave those ranks' samples out of the final metrics (opt-in; results.json states how
     many samples were left out). status_interval_s: seconds between status.json
-    updates (and progress refreshes) of a rank."""
+    updates (and progress refreshes) of a rank. mode: bitwise | fast (see ``Mode``). task: ``auto`` (by
+    data.name), a registered task name (classification, detection, replay) or ``package.module:ClassName``.
+    record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
+    partials) for ``python -m diagnostics compare``."""
 
+    mode: Mode = Mode.bitwise
+    task: str = "auto"
+    record_batches: bool = True
     metrics: List[str] = field(default_factory=lambda: ["classification"])
     topk: List[int] = field(default_factory=lambda: [1, 5])
     ece_bins: int = 15
@@ -180,6 +255,21 @@ class EvalConfig:
     iou_type: str = "bbox"
     save_predictions: bool = False
 
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``eval.*`` key."""
+        _at_least("eval.trials", self.trials, 1)
+        if self.trial_aggregate not in AGGREGATES:
+            raise ConfigError("eval.trial_aggregate", f"{self.trial_aggregate!r} is not one of {list(AGGREGATES)}")
+        _finite_positive("eval.clip_sigma", self.clip_sigma)
+        _finite_positive("eval.outlier_z", self.outlier_z)
+        if not self.metrics:
+            raise ConfigError("eval.metrics", "needs at least one metric family")
+        if not self.topk or any(k < 1 for k in self.topk):
+            raise ConfigError("eval.topk", f"needs positive integers, got {list(self.topk)}")
+        _at_least("eval.ece_bins", self.ece_bins, 1)
+        if self.iou_type not in ("bbox", "segm"):
+            raise ConfigError("eval.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
+
 
 @dataclass
 class DistevalConfig:
@@ -192,6 +282,27 @@ class DistevalConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
+
+    def validate(self) -> None:
+        """Every group's own checks, then the ones across groups. Raises ConfigError naming the key."""
+        for group in (self.data, self.precision, self.communication, self.dist, self.eval):
+            group.validate()
+        if self.eval.exclude_outlier_ranks and self.data.sampler != "exact":
+            raise ConfigError("eval.exclude_outlier_ranks", f"needs data.sampler=exact: with {self.data.sampler} the "
+                              "ranks share repeated samples, so leaving a rank out is not leaving its shard out")
+        if self.eval.exclude_outlier_ranks and "classification" not in self.eval.metrics:
+            raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from per-rank top-1 accuracy: "
+                              "it needs classification in eval.metrics")
+
+
+def validated(cfg: Any) -> DistevalConfig:
+    """The job config (a DictConfig or plain dict, extra driver keys ignored) as a validated
+    ``DistevalConfig`` object. Raises ConfigError naming the key."""
+    container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    container = {k: v for k, v in container.items() if k in DistevalConfig.__dataclass_fields__}
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistevalConfig), container))
+    obj.validate()
+    return obj
 
 
 def run_name() -> str:

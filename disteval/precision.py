@@ -34,15 +34,16 @@ def model_dtype_name(precision: Any) -> str:
     return str(getattr(precision.model_dtype, "value", precision.model_dtype))
 
 
-def apply_global_switches(precision: Any, device: torch.device) -> None:
-    """Set TF32 (off unless precision.tf32) and determinism (precision.deterministic: deterministic
-    algorithms, cuDNN benchmark off, CUBLAS_WORKSPACE_CONFIG). Warns when the model runs in bf16/fp16 on
-    CPU: measured here about 25x slower than fp32."""
+def apply_global_switches(precision: Any, device: torch.device, bitwise: bool = False) -> None:
+    """Set TF32 (off unless precision.tf32) and determinism (precision.deterministic, or ``bitwise`` for
+    ``eval.mode=bitwise``: deterministic algorithms, cuDNN benchmark off, CUBLAS_WORKSPACE_CONFIG; in bitwise
+    mode an op without a deterministic implementation warns instead of failing). Warns when the model runs in
+    bf16/fp16 on CPU: measured here about 25x slower than fp32."""
     torch.backends.cuda.matmul.allow_tf32 = bool(precision.tf32)
     torch.backends.cudnn.allow_tf32 = bool(precision.tf32)
-    if precision.deterministic:
+    if precision.deterministic or bitwise:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=not precision.deterministic)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     name = model_dtype_name(precision)

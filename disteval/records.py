@@ -7,11 +7,26 @@ Layout (see DESIGN.md)::
     RUN_DIR/ranks/rank{r}/log.txt        that rank's log
 
 All writes are atomic: write a temporary file in the same directory, fsync, rename.
+
+results.json fields (schema_version 2, see DESIGN.md): schema_version, experiment, run_dir, world_size, mode
+(bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, model {name, weights,
+checkpoint}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
+host, shard [start, end), samples, batches, metrics {the task's local summary, e.g. accuracy, nll}, seconds
+{load, forward}, images_per_s}], timings {load, forward, sync, total} (seconds, rank 0's clock; forward =
+slowest rank), throughput {images_per_s}, comm {collectives, bytes, by_op, chunked, compression, backend,
+profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
+deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
+outliers, exclusion. Schema 2 (this version) added mode, compute and dataset.batch_size.
+
+RUN_DIR/ranks/rank{r}/batches.json (``eval.record_batches``): per global batch [index, first sample id, size],
+one output digest per sample and the batch's float partials: what ``python -m diagnostics compare`` reads.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import re
 import socket
 import tempfile
@@ -21,7 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+import torch
+from omegaconf import OmegaConf
+
+SCHEMA_VERSION = 2
 PHASES = ("init", "data", "forward", "sync", "done", "failed")
 
 # Messages that a rank sees when a *peer* died or stalled; such a rank is a victim, not the culprit.
@@ -220,3 +238,83 @@ def archive_previous_records(run_dir: str | os.PathLike) -> Path | None:
     for p in old:
         os.replace(p, dest / p.name)
     return dest
+
+
+def config_digest(cfg: Any) -> str:
+    """sha256 of the resolved job config (canonical JSON), identifying what was evaluated."""
+    container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    return "sha256:" + hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def versions() -> dict:
+    """Versions of the libraries that shape the numbers (python, torch, torchvision, numpy, hydra, disteval)."""
+    import hydra
+    import numpy
+    import torchvision
+
+    from disteval import __version__
+
+    return {"disteval": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "hydra": hydra.__version__, "numpy": numpy.__version__}
+
+
+def per_rank_record(row: dict, host: str | None) -> dict:
+    """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
+    samples, batches, seconds_load, seconds_forward, local {metric: value})."""
+    fwd = row["seconds_forward"]
+    return {"rank": int(row["rank"]), "host": host, "shard": [int(row["start"]), int(row["end"])],
+            "samples": int(row["samples"]), "batches": int(row["batches"]),
+            "metrics": dict(row.get("local") or {}),
+            "seconds": {"load": row["seconds_load"], "forward": fwd},
+            "images_per_s": row["samples"] / fwd if fwd and fwd > 0 else None}
+
+
+def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: dict | None = None) -> dict:
+    """Assemble the results.json record (see module docstring).
+
+    ``run``: facts of the run: run_dir, world_size, num_samples, dataset (task's extra dataset fields, e.g.
+    num_classes), coverage (CoverageReport), comm (Communicator.stats()), backend, device, timings
+    {load, total}, compute {mode, threads, deterministic, cudnn_benchmark}. ``rows``: every rank's row as
+    synchronised. ``extra`` adds top-level fields (sampler, exact, trials, outliers, exclusion).
+    Float NaN/inf become null."""
+    per_rank = [per_rank_record(row, (read_status(run["run_dir"], int(row["rank"])) or {}).get("host"))
+                for row in rows]
+    slowest = max((p["seconds"]["forward"] or 0.0 for p in per_rank), default=0.0)
+    num_samples = run["num_samples"]
+    experiment = cfg.get("experiment_name") if hasattr(cfg, "get") else None
+    return json_safe({
+        "schema_version": SCHEMA_VERSION,
+        "experiment": experiment or "default",
+        "run_dir": str(run["run_dir"]),
+        "world_size": run["world_size"],
+        "mode": run["compute"]["mode"],
+        "dataset": {"name": cfg.data.name, "split": cfg.data.split, "root": cfg.data.root,
+                    "num_samples": num_samples, "batch_size": int(cfg.data.batch_size), **run.get("dataset", {})},
+        "model": {"name": cfg.model.name, "weights": cfg.model.weights, "checkpoint": cfg.model.checkpoint},
+        "metrics": metrics,
+        "coverage": run["coverage"].as_dict(),
+        "per_rank": per_rank,
+        "timings": dict(run["timings"], forward=slowest),
+        "throughput": {"images_per_s": num_samples / slowest if slowest > 0 else None},
+        "comm": dict(run["comm"], backend=run["backend"], profile=_plain(cfg.get("communication_profile"))),
+        "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
+                      "deterministic": bool(run["compute"]["deterministic"]),
+                      "cudnn_benchmark": bool(run["compute"]["cudnn_benchmark"])},
+        "compute": run["compute"],
+        "device": run["device"],
+        "versions": versions(),
+        "config_digest": config_digest(cfg),
+        "created": time.time(),
+        **(extra or {}),
+    })
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def write_results(run_dir: str, results: dict) -> Path:
+    """Write RUN_DIR/results.json atomically; returns its path."""
+    path = Path(run_dir) / "results.json"
+    atomic_write_json(path, results)
+    return path

@@ -25,15 +25,14 @@ log = logging.getLogger("disteval.rank")
 CHECKPOINT = "checkpoint.pt"
 
 
-def save_checkpoint(path: Path, states: dict[str, torch.Tensor], runs: torch.Tensor, samples_done: int,
-                    key: dict) -> None:
-    """Write the checkpoint atomically (temporary file + rename)."""
+def save_checkpoint(path: Path, state: dict, samples_done: int, key: dict) -> None:
+    """Write the checkpoint atomically (temporary file + rename): ``state`` (``evaluator_state``), the
+    samples of the shard counted so far and the job ``key`` it belongs to."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp_checkpoint_", suffix=".pt")
     os.close(fd)
     try:
-        torch.save({"key": key, "samples_done": int(samples_done), "runs": runs.clone(),
-                    "states": {k: v.detach().cpu().clone() for k, v in states.items()}}, tmp)
+        torch.save({"key": key, "samples_done": int(samples_done), "state": state}, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -76,7 +75,7 @@ class PreemptionGuard:
         self._in_batch = False
         self._pending: tuple | None = None
         self.saved = False
-        self.samples_done = 0
+        self.progress: Any = None  # the loop's LoopProgress (set by disteval.loop.GuardHook)
 
     def __enter__(self) -> "PreemptionGuard":
         if self.active:
@@ -124,3 +123,23 @@ class PreemptionGuard:
             signum, frame = self._pending
             self._pending = None
             self._save_and_chain(signum, frame)
+
+
+def evaluator_state(evaluator: Any) -> dict:
+    """A ``disteval.metrics.evaluator.Evaluator``'s accumulated state as plain tensors (for torch.save with
+    weights_only loading): metric states, coverage runs, and the float tree nodes of bitwise mode."""
+    nodes = evaluator.tree.nodes() if evaluator.tree is not None else []
+    width = evaluator.tree.width if evaluator.tree is not None else 0
+    return {"states": evaluator.metric.snapshot(), "runs": evaluator.coverage.runs(),
+            "tree_where": torch.tensor([[lvl, idx] for lvl, idx, _ in nodes], dtype=torch.int64).reshape(-1, 2),
+            "tree_values": torch.stack([v.cpu() for _, _, v in nodes]) if nodes else
+            torch.zeros((0, width), dtype=torch.float64)}
+
+
+def load_evaluator_state(evaluator: Any, state: dict) -> None:
+    """Restore ``evaluator_state``'s output into a fresh evaluator of the same job."""
+    evaluator.metric.restore(state["states"])
+    evaluator.coverage.update_runs(state["runs"])
+    if evaluator.tree is not None:
+        evaluator.tree.load([(int(w[0]), int(w[1]), v) for w, v in zip(state["tree_where"].tolist(),
+                                                                         state["tree_values"])])

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from disteval.comm import compression as cz
-from disteval.data.sharding import shard_bounds
+from disteval.common.ranges import shard_bounds
 
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
            torch.float16, torch.bfloat16, torch.int8, torch.int16]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from disteval.errors import DataError
-from disteval.metrics.coco_eval import DetectionShard, GroundTruthShard
+from disteval.common.coco_types import DetectionShard, GroundTruthShard, detections_from_arrays
 
 IOU_TYPES = ("bbox", "segm")
 
@@ -216,18 +216,6 @@ class CocoDetections:
         return detections_from_arrays(self.image[sel], self.category[sel], self.score[sel], self.box[sel],
                                       self.area[sel], [self.segmentation[i] for i in sel]
                                       if self.segmentation is not None else None)
-
-
-def detections_from_arrays(image, category, score, box, area, rle=None) -> DetectionShard:
-    """A DetectionShard whose tie-break order is the given order inside each image."""
-    order = np.zeros(len(image), dtype=np.int64)
-    if len(image):
-        srt = np.argsort(image, kind="stable")
-        starts = np.concatenate(([0], np.nonzero(np.diff(image[srt]))[0] + 1))
-        counts = np.diff(np.concatenate((starts, [len(srt)])))
-        order[srt] = np.arange(len(srt)) - np.repeat(starts, counts)
-    return DetectionShard(image.astype(np.int64), category.astype(np.int64), score.astype(np.float64),
-                          box.astype(np.float64).reshape(-1, 4), area.astype(np.float64), order, rle)
 
 
 def load_detections(path: str | Path, gt: CocoGroundTruth, iou_type: str) -> CocoDetections:

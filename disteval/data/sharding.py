@@ -1,44 +1,55 @@
-"""Exact contiguous shards of [0, N): no padding, no dropped samples, uneven sizes, empty shards allowed."""
+"""Exact contiguous shards of [0, N): no padding, no dropped samples, uneven sizes, empty shards allowed.
+
+Two splits, both exact (every sample once):
+
+- *batch-aligned* (``batch_size`` given; the default ``eval.mode=bitwise``): ranks receive whole global
+  batches (``disteval.common.ranges.batch_aligned_bounds``), so each sample is forwarded in the same batch
+  at every world size and a model whose outputs depend on batch composition gives the same bits;
+- *sample-even* (``batch_size=None``; ``eval.mode=fast``): shard sizes differ by at most one sample.
+"""
 from __future__ import annotations
 
 from typing import Iterator
 
 from torch.utils.data import DistributedSampler, Sampler
 
+from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_bounds
+
 SAMPLERS = ("exact", "padded", "drop_last")
 
-
-def shard_bounds(num_samples: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Half-open range ``[start, end)`` of sample indices owned by ``rank``.
-
-    The first ``N % W`` ranks hold ``N // W + 1`` samples, the others ``N // W`` (so sizes differ by at most
-    one and ranks hold nothing when W > N). Concatenating the ranges of ranks 0..W-1 gives [0, N) exactly.
-
-    Raises ValueError for a negative N, W < 1 or a rank outside [0, W).
-    """
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside [0, {world_size})")
-    base, extra = divmod(num_samples, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+__all__ = ["SAMPLERS", "ExactShardSampler", "batch_aligned_bounds", "build_sampler", "num_batches", "sampler_span",
+           "shard_bounds"]
 
 
 class ExactShardSampler(Sampler[int]):
-    """Yields the indices of ``shard_bounds(num_samples, world_size, rank)`` in order.
+    """Yields the indices of this rank's exact shard in order.
+
+    Args:
+        num_samples: N, the dataset length.
+        world_size, rank: W and this rank (a data-parallel rank under a mesh).
+        skip: samples of the shard already counted (resumed from a checkpoint); with ``batch_size`` it must
+            be a multiple of it or reach the end of the shard, so that batches stay global batches.
+        batch_size: B for batch-aligned shards (``batch_aligned_bounds``), None for sample-even ones
+            (``shard_bounds``).
 
     Unlike ``torch.utils.data.DistributedSampler`` it never pads by repeating samples and never drops
     any, so per-rank batch counts may differ; disteval therefore never issues a per-batch collective.
+    ``first_batch`` is the global index of the first batch this sampler yields (batch-aligned only, else
+    None). Raises ValueError for a bad skip.
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int, skip: int = 0):
-        self.start, self.end = shard_bounds(num_samples, world_size, rank)
+    def __init__(self, num_samples: int, world_size: int, rank: int, skip: int = 0, batch_size: int | None = None):
+        if batch_size is None:
+            self.start, self.end = shard_bounds(num_samples, world_size, rank)
+        else:
+            self.start, self.end = batch_aligned_bounds(num_samples, batch_size, world_size, rank)
         if not 0 <= skip <= self.end - self.start:
             raise ValueError(f"skip={skip} outside the shard of {self.end - self.start} samples")
-        self.skip = skip  # samples of the shard already counted (resumed from a checkpoint)
+        if batch_size is not None and skip % batch_size and self.start + skip != self.end:
+            raise ValueError(f"skip={skip} is not a whole number of batches of {batch_size}")
+        self.skip = skip
+        self.batch_size = batch_size
+        self.first_batch = None if batch_size is None else (self.start + skip) // batch_size
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.start + self.skip, self.end))
@@ -47,13 +58,15 @@ class ExactShardSampler(Sampler[int]):
         return self.end - self.start - self.skip
 
 
-def build_sampler(kind: str, num_samples: int, world_size: int, rank: int, skip: int = 0) -> Sampler[int]:
-    """``exact`` -> ExactShardSampler; ``padded`` / ``drop_last`` -> torch's ``DistributedSampler(shuffle=False,
-    drop_last=...)``, which repeats the first samples so that every rank gets ceil(N/W) of them, or drops the
-    last N % W (kept only to reproduce other tools' biased numbers; the coverage check reports the damage).
+def build_sampler(kind: str, num_samples: int, world_size: int, rank: int, skip: int = 0,
+                  batch_size: int | None = None) -> Sampler[int]:
+    """``exact`` -> ExactShardSampler (batch-aligned when ``batch_size`` is given); ``padded`` / ``drop_last``
+    -> torch's ``DistributedSampler(shuffle=False, drop_last=...)``, which repeats the first samples so that
+    every rank gets ceil(N/W) of them, or drops the last N % W (kept only to reproduce other tools' biased
+    numbers; the coverage check reports the damage).
     Raises ValueError for an unknown kind or a ``skip`` with a non-exact sampler (no resume there)."""
     if kind == "exact":
-        return ExactShardSampler(num_samples, world_size, rank, skip=skip)
+        return ExactShardSampler(num_samples, world_size, rank, skip=skip, batch_size=batch_size)
     if kind not in SAMPLERS:
         raise ValueError(f"data.sampler: {kind!r} is not one of {list(SAMPLERS)}")
     if skip:

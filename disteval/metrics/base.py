@@ -1,6 +1,6 @@
 """The metric protocol: mergeable sufficient statistics, no torch.distributed here.
 
-A metric accumulates *states* locally; ``states()`` declares each one with its reduction:
+A metric accumulates *states* locally; ``add_state`` declares each one, in one place, with its reduction:
 
 - ``"sum"``: element-wise sum across ranks (one coalesced all_reduce per dtype in the comm layer);
 - ``"gather"``: variable-size records concatenated across ranks along dim 0.
@@ -18,8 +18,9 @@ Two declarations steer the communication layer (``specs()``):
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
@@ -36,13 +37,21 @@ class StateSpec:
     root: bool = False
 
 
-class Metric:
-    """Base class. Subclasses fill ``self._states`` (name -> tensor) and ``self._reductions``."""
+class Metric(abc.ABC):
+    """The Metric protocol (abstract base). A subclass declares its states in ``__init__`` with
+    ``add_state`` and implements ``update`` and ``compute``; everything else (``states``, ``specs``,
+    ``load_synced``, ``merge_state``, ``reset``, ``snapshot``/``restore``) works from the declarations.
+
+    Float64 sum-states must be updated *in place* by ``update`` (``+=``, ``index_add_``): in the default
+    bitwise mode the evaluation loop moves each batch's float partials into a ``BatchTreeSum`` after every
+    batch (``float_sum_states``) so that their total does not depend on the world size.
+    """
 
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
         self._reductions: dict[str, Reduction] = {}
         self._specs: dict[str, StateSpec] = {}
+        self._initial: dict[str, torch.Tensor] = {}
 
     def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum", *,
                   compressible: bool = False, sliceable: bool = False, root: bool = False) -> None:
@@ -57,6 +66,7 @@ class Metric:
         if sliceable and (reduction != "sum" or value.ndim < 1):
             raise ValueError(f"state {name!r}: only sum-states with a row dimension can be declared sliceable")
         self._states[name] = value
+        self._initial[name] = value.detach().clone()
         self._reductions[name] = reduction
         if root and reduction != "gather":
             raise ValueError(f"state {name!r}: only gather-states can be gathered to the root rank only")
@@ -83,8 +93,11 @@ class Metric:
         full synchronised state ``name``."""
         raise NotImplementedError(f"{type(self).__name__} declares {name!r} sliceable but has no load_finished")
 
-    def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update(self, outputs: Any, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Add one batch. ``outputs``: what the task's step returns (e.g. logits float [B, C]); ``targets``
+        int64 [B]; ``sample_ids`` int64 [B] (global dataset indices). Raises DataError naming the sample id
+        for bad input. Issues no collective."""
 
     def _flush(self) -> None:
         """Fold work queued by ``update`` into the states (no-op here; metrics that batch their work, e.g.
@@ -120,5 +133,36 @@ class Metric:
                 merged[name] = torch.cat(parts, 0)
         self.load_synced(merged)
 
+    @abc.abstractmethod
     def compute(self) -> dict:
-        raise NotImplementedError
+        """Metric values from the (synchronised) states: a JSON-able dict (floats, ints, lists, None)."""
+
+    def local_summary(self) -> dict:
+        """A few named scalars of the *local* states before synchronisation (per-rank rows of results.json,
+        outlier detection), e.g. ``{"accuracy": 0.93, "nll": 0.21}``; empty by default."""
+        return {}
+
+    def float_sum_states(self) -> dict[str, torch.Tensor]:
+        """The float64 sum-states (the tensors themselves, in declaration order), without flushing queued
+        work: what the loop folds per batch in bitwise mode."""
+        return {k: v for k, v in self._states.items()
+                if self._reductions[k] == "sum" and v.dtype == torch.float64}
+
+    def reset(self) -> None:
+        """Back to the declared initial states (queued work dropped), as after ``__init__``."""
+        self._flush()
+        self.restore({k: v.clone() for k, v in self._initial.items()})
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of the local states ``{name: tensor}`` (queued work folded in first), to ``restore``
+        after a synchronisation replaced them (e.g. to synchronise again without some ranks)."""
+        self._flush()
+        return {k: v.detach().clone() for k, v in self._states.items()}
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Replace the states by a ``snapshot()`` of this metric (same names, dtypes and sum-state shapes).
+        Raises KeyError for a missing state, TypeError / ValueError as ``load_synced``."""
+        missing = sorted(set(self._states) - set(snapshot))
+        if missing:
+            raise KeyError(f"snapshot lacks states {missing}")
+        self.load_synced({k: snapshot[k].clone() for k in self._states})

@@ -178,8 +178,9 @@ class ClassificationMetrics(Metric):
         return out
 
     def local_summary(self) -> dict:
-        """Small per-rank view of the *local* states (before sync): samples, top-1 accuracy, NLL."""
+        """Small per-rank view of the *local* states (before sync): top-1 accuracy and NLL (None without
+        samples)."""
         n = int(self._states["count"])
         top1 = int(self._states["confusion"].diagonal().sum())
-        return {"samples": n, "accuracy": top1 / n if n else None,
+        return {"accuracy": top1 / n if n else None,
                 "nll": float(self._states["nll_sum"]) / n if n else None}

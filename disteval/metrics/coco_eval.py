@@ -23,9 +23,9 @@ non-ignored ground truth.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+from disteval.common.coco_types import DetectionShard, GroundTruthShard
 
 IOU_THRS = np.linspace(.5, 0.95, int(np.round((0.95 - .5) / .05)) + 1, endpoint=True)
 REC_THRS = np.linspace(.0, 1.00, int(np.round((1.00 - .0) / .01)) + 1, endpoint=True)
@@ -62,37 +62,6 @@ def bbox_iou(d: np.ndarray, g: np.ndarray, crowd: np.ndarray) -> np.ndarray:
     out = np.zeros(len(d), dtype=np.float64)
     np.divide(inter, union, out=out, where=ok)
     return out
-
-
-@dataclass
-class GroundTruthShard:
-    """Ground truths of some images, in annotation-file order: ``image`` int64 [n] (global image index in
-    sorted image-id order), ``category`` int64 [n] (index into sorted category ids), ``box`` float64 [n, 4]
-    xywh, ``area`` float64 [n] (the annotation's area field), ``crowd`` bool [n], ``ann_id`` int64 [n],
-    ``rle``: list of n pycocotools RLEs (segm only, else None)."""
-
-    image: np.ndarray
-    category: np.ndarray
-    box: np.ndarray
-    area: np.ndarray
-    crowd: np.ndarray
-    ann_id: np.ndarray
-    rle: list | None = None
-
-
-@dataclass
-class DetectionShard:
-    """Detections of some images: ``image`` int64 [n], ``category`` int64 [n], ``score`` float64 [n],
-    ``box`` float64 [n, 4] xywh, ``area`` float64 [n] (w*h for bbox, mask area for segm), ``order`` int64
-    [n] (position in the image's input order, the tie-break of equal scores), ``rle`` (segm only)."""
-
-    image: np.ndarray
-    category: np.ndarray
-    score: np.ndarray
-    box: np.ndarray
-    area: np.ndarray
-    order: np.ndarray
-    rle: list | None = None
 
 
 def _group_starts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

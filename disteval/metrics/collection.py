@@ -52,6 +52,21 @@ class MetricCollection(Metric):
         for family, m in self.metrics.items():
             m.merge_state([o.metrics[family] for o in others])
 
+    def float_sum_states(self):
+        return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.float_sum_states().items()}
+
+    def reset(self) -> None:
+        for m in self.metrics.values():
+            m.reset()
+
+    def snapshot(self):
+        return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.snapshot().items()}
+
+    def restore(self, snapshot) -> None:
+        for family, m in self.metrics.items():
+            prefix = f"{family}."
+            m.restore({k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)})
+
     def compute(self) -> dict:
         out: dict = {}
         for m in self.metrics.values():
@@ -63,8 +78,8 @@ class MetricCollection(Metric):
         return out
 
     def local_summary(self) -> dict:
-        """The classification family's local summary (samples, accuracy, NLL), else samples only."""
+        """The families' local summaries merged (e.g. classification's accuracy and NLL of this rank)."""
+        out: dict = {}
         for m in self.metrics.values():
-            if hasattr(m, "local_summary"):
-                return m.local_summary()
-        return {"samples": None, "accuracy": None, "nll": None}
+            out.update(m.local_summary())
+        return out

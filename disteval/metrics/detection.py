@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from disteval.data.coco import CocoGroundTruth, detections_from_arrays
+from disteval.common.coco_types import detections_from_arrays
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
 from disteval.metrics.coco_eval import (AREA_RNG, RECORD_DTYPE, STAT_NAMES, DetectionShard, accumulate, match_shard,
@@ -29,7 +29,8 @@ class CocoDetectionMetric(Metric):
     """COCO mAP over images of ``gt`` (a CocoGroundTruth).
 
     Args:
-        gt: the ground truth (every rank reads the same annotation file).
+        gt: the ground truth, a ``disteval.data.coco.CocoGroundTruth`` (every rank reads the same annotation
+            file); used through its arrays (``category_ids``, ``image_ids``, ``category_names``) and ``shard``.
         iou_type: ``bbox`` or ``segm``.
         keep_predictions: also keep the detections as COCO results entries (``predictions()``).
 
@@ -40,7 +41,7 @@ class CocoDetectionMetric(Metric):
     Detections whose label is not a category of ``gt`` are dropped and counted (``dropped_unknown_category``).
     """
 
-    def __init__(self, gt: CocoGroundTruth, iou_type: str = "bbox", keep_predictions: bool = False):
+    def __init__(self, gt, iou_type: str = "bbox", keep_predictions: bool = False):
         super().__init__()
         if iou_type not in ("bbox", "segm"):
             raise ValueError(f"iou_type must be bbox or segm, got {iou_type!r}")
@@ -136,9 +137,6 @@ class CocoDetectionMetric(Metric):
         out["detections_evaluated"] = int(len(rec))  # the first 100 per image and category
         out["iou_type"] = self.iou_type
         return out
-
-    def local_summary(self) -> dict:
-        return {"samples": None, "accuracy": None, "nll": None}
 
 
 def _concat(parts: list[DetectionShard]) -> DetectionShard:

@@ -1,0 +1,122 @@
+"""Rank bootstrap: this rank's records and log, the process group and its Communicator, an agreed run
+directory under external launchers, and the per-rank compute settings (threads, determinism)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disteval import precision as prec
+from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
+from disteval.errors import DistevalError
+from disteval.records import StatusWriter, config_digest, rank_dir
+
+log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
+log.propagate = False
+
+
+@dataclass
+class RankContext:
+    """Everything a rank's run needs about where and how it runs."""
+
+    cfg: Any
+    run_dir: str
+    rank: int
+    world_size: int
+    env: RankEnv | None
+    status: StatusWriter
+    device: torch.device | None = None
+    backend: str | None = None
+    comm: Communicator | None = None
+    compute: dict | None = None
+
+
+def setup_logging(run_dir: str, rank: int) -> None:
+    """Send the ``disteval.rank`` logger to RUN_DIR/ranks/rank{rank}/log.txt (replacing earlier handlers)."""
+    path = rank_dir(run_dir, rank) / "log.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    for old in list(log.handlers):
+        log.removeHandler(old)
+        old.close()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def open_records(cfg: Any, run_dir: str, env: RankEnv | None) -> RankContext:
+    """This rank's status.json and log. Raises DistevalError naming the folder when it cannot write them."""
+    rank, world_size = (env.rank, env.world_size) if env else (0, 1)
+    try:
+        status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))
+        setup_logging(run_dir, rank)
+    except OSError as exc:
+        raise DistevalError(f"rank {rank} cannot write its records under {run_dir}/ranks: {exc}") from exc
+    return RankContext(cfg, run_dir, rank, world_size, env, status)
+
+
+def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
+    """Init the process group (backend and timeout of ``communication.*``), build the Communicator (each
+    collective noted in status.json), and with ``agree_run_dir`` (external launchers, where each rank
+    composed its own config) move this rank's records next to rank 0's. Raises DistevalError when the ranks
+    were started with different seeds."""
+    cfg, env = ctx.cfg, ctx.env
+    ctx.device = resolve_device(cfg.dist.device, env.local_rank if env else 0)
+    ctx.backend = resolve_backend(cfg.communication.backend, ctx.device)
+    ctx.status.update(force=True, config_digest=config_digest(cfg), rendezvous={
+        "backend": ctx.backend, "master_addr": os.environ.get("MASTER_ADDR") if env else None,
+        "master_port": int(os.environ["MASTER_PORT"]) if env and os.environ.get("MASTER_PORT") else None,
+        "timeout_s": float(cfg.communication.timeout_s)})
+    init_process_group(ctx.backend, cfg.communication.timeout_s, env)
+    ctx.status.update(force=True, joined=time.time())
+    cc, status = cfg.communication, ctx.status
+    ctx.comm = Communicator("cpu" if ctx.backend == "gloo" else ctx.device,
+                            on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}),
+                            async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
+                            max_in_flight=cc.max_in_flight)
+    if agree_run_dir and env is not None:
+        _agree_run_dir(ctx)
+    log.info("rank %d/%d on %s, backend %s, device %s", ctx.rank, ctx.world_size, ctx.status.record["host"],
+             ctx.backend, ctx.device)
+
+
+def _agree_run_dir(ctx: RankContext) -> None:
+    meta = ctx.comm.broadcast_json({"run_dir": ctx.run_dir, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                                    "seed": int(ctx.cfg.seed), "t_start": ctx.status.record["t_start"]}
+                                   if ctx.rank == 0 else None)
+    if meta["seed"] != int(ctx.cfg.seed):
+        raise DistevalError(f"rank {ctx.rank} has seed={ctx.cfg.seed} but rank 0 has {meta['seed']}: the ranks "
+                            "were started with different overrides")
+    if meta["run_dir"] != ctx.run_dir:  # move this rank's records next to rank 0's
+        old, ctx.run_dir = ctx.status, meta["run_dir"]
+        ctx.status = StatusWriter(ctx.run_dir, ctx.rank, ctx.world_size, interval_s=old.interval_s)
+        ctx.status.record.update(t_start=old.record["t_start"])
+        setup_logging(ctx.run_dir, ctx.rank)
+
+
+def apply_compute_settings(ctx: RankContext) -> dict:
+    """Per-rank compute settings, recorded in results.json ``compute``: ``eval.mode``; intra-op threads
+    (``dist.threads``; null = 1 in bitwise mode, the cores shared among local ranks in fast mode); TF32,
+    determinism and cuDNN benchmark (off in bitwise mode). Returns the record."""
+    cfg = ctx.cfg
+    mode = str(getattr(cfg.eval.mode, "value", cfg.eval.mode))
+    threads = cfg.dist.get("threads")
+    if threads is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if ctx.env is not None else 1
+        threads = 1 if mode == "bitwise" else max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(int(threads))
+    with warnings.catch_warnings():
+        if ctx.rank != 0:  # say it once
+            warnings.simplefilter("ignore")
+        prec.apply_global_switches(cfg.precision, ctx.device, bitwise=mode == "bitwise")
+    if mode == "bitwise":
+        torch.backends.cudnn.benchmark = False
+    ctx.compute = {"mode": mode, "threads": int(torch.get_num_threads()),
+                   "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
+                   "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
+    return ctx.compute

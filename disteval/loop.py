@@ -1,0 +1,197 @@
+"""The per-rank evaluation loop, task-agnostic and small (in the spirit of detectron2's
+``inference_on_dataset``): model, loader, evaluator, step, and named hooks for what is not evaluation
+(status records, progress and peer watching, fault drills, the preemption guard). No collective is issued
+here; ``disteval.sync`` synchronises what the evaluator accumulated."""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from disteval.data.sharding import build_sampler, sampler_span
+from disteval.errors import DistevalError
+from disteval.metrics.evaluator import Evaluator
+
+
+@dataclass
+class ShardSpec:
+    """Which part of the dataset this rank evaluates and how it is loaded.
+
+    rank, world_size: the data-parallel rank and size. batch_size: B. aligned: batch-aligned shards (whole
+    global batches; ``eval.mode=bitwise``) or sample-even ones (``fast``). sampler: ``data.sampler``
+    (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
+    worker processes. collate_fn: the task's, or None for torch's default.
+    """
+
+    rank: int
+    world_size: int
+    batch_size: int
+    aligned: bool = True
+    sampler: str = "exact"
+    skip: int = 0
+    num_workers: int = 0
+    collate_fn: Callable | None = None
+
+
+@dataclass
+class LoopProgress:
+    """What the loop did so far: the shard ``[start, end)``, its first global batch, samples (including
+    resumed ones) and batches counted, and the seconds spent in the loop."""
+
+    start: int
+    end: int
+    first_batch: int
+    planned: int
+    samples: int = 0
+    batches: int = 0
+    seconds_forward: float = 0.0
+
+
+class LoopHook:
+    """A named callback of the loop; every method is optional."""
+
+    def before_loop(self, progress: LoopProgress) -> None:
+        """Once, before the first batch."""
+
+    def on_outputs(self, outputs: Any) -> Any:
+        """Sees (and may replace) a batch's outputs before they are accumulated (fault drills)."""
+        return outputs
+
+    def batch_scope(self) -> ContextManager:
+        """A context around the accumulation of one batch (the preemption guard defers its signal to the
+        end of it, so a checkpoint holds whole batches)."""
+        return contextlib.nullcontext()
+
+    def after_batch(self, progress: LoopProgress) -> None:
+        """After each batch was accumulated."""
+
+    def after_loop(self, progress: LoopProgress) -> None:
+        """Once, after the last batch."""
+
+
+def make_loader(dataset: Dataset, spec: ShardSpec, device: torch.device) -> tuple[DataLoader, Any]:
+    """The DataLoader over this rank's shard and its sampler. Loader workers are forked (spawned ones would
+    re-import torch, seconds each); pinned memory on CUDA."""
+    sampler = build_sampler(spec.sampler, len(dataset), spec.world_size, spec.rank, skip=spec.skip,
+                            batch_size=spec.batch_size if spec.aligned else None)
+    context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
+    loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
+                        pin_memory=device.type == "cuda" and spec.collate_fn is None, persistent_workers=False,
+                        multiprocessing_context=context, collate_fn=spec.collate_fn)
+    return loader, sampler
+
+
+def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, step: Callable[[Any, Any], Any],
+                         progress: LoopProgress, hooks: Sequence[LoopHook] = ()) -> LoopProgress:
+    """Run ``outputs = step(model, inputs)`` over ``loader`` and accumulate each batch into ``evaluator``
+    under ``torch.inference_mode``; batch k of the loader is global batch ``progress.first_batch + k``.
+    Returns ``progress`` updated. Raises what the step or ``evaluator.process`` raises (a DataError from a
+    loader worker with its original one-line message)."""
+    for hook in hooks:
+        hook.before_loop(progress)
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for k, (inputs, targets, ids) in enumerate(loader):
+                outputs = step(model, inputs)
+                for hook in hooks:
+                    outputs = hook.on_outputs(outputs)
+                with contextlib.ExitStack() as scope:
+                    for hook in hooks:
+                        scope.enter_context(hook.batch_scope())
+                    evaluator.process(progress.first_batch + k, outputs, targets, ids)
+                    progress.samples += int(ids.numel())
+                    progress.batches += 1
+                for hook in hooks:
+                    hook.after_batch(progress)
+    except DistevalError as exc:
+        raise _unwrap_worker_error(exc) from exc
+    progress.seconds_forward = time.perf_counter() - t0
+    evaluator.finish_local()
+    for hook in hooks:
+        hook.after_loop(progress)
+    return progress
+
+
+def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: ShardSpec, *,
+                   step: Callable[[Any, Any], Any] | None = None, hooks: Sequence[LoopHook] = (),
+                   device: torch.device | str = "cpu") -> LoopProgress:
+    """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``) into
+    ``evaluator``. ``step`` defaults to ``model(inputs.to(device)).float()``. Returns the LoopProgress
+    (``samples`` includes ``spec.skip``)."""
+    device = torch.device(device)
+    loader, sampler = make_loader(dataset, spec, device)
+    start, end = sampler_span(sampler)
+    first = getattr(sampler, "first_batch", None)
+    progress = LoopProgress(start, end, first if first is not None else 0, planned=len(sampler) + spec.skip,
+                            samples=spec.skip)
+    step = step or (lambda m, x: m(x.to(device, non_blocking=True)).float())
+    return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
+
+
+def _unwrap_worker_error(exc: DistevalError) -> DistevalError:
+    """A DataLoader worker's error arrives as "Caught DataError in DataLoader worker process 0. Original
+    Traceback ...": keep the type and only the original one-line message (the traceback stays in the log)."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = text.strip().splitlines()[-1]
+    return type(exc)(re.sub(rf"^(?:[\w.]+\.)?{type(exc).__name__}: ", "", last))
+
+
+class StatusHook(LoopHook):
+    """Keeps ``ranks/rank{r}/status.json`` current: phase ``forward`` with the planned samples, then samples
+    and batches done (written at most every ``eval.status_interval_s``)."""
+
+    def __init__(self, status: Any):
+        self.status = status
+
+    def before_loop(self, progress: LoopProgress) -> None:
+        self.status.update(phase="forward", samples_planned=progress.planned, samples_done=progress.samples)
+
+    def after_batch(self, progress: LoopProgress) -> None:
+        self.status.update(samples_done=progress.samples, batches_done=progress.batches)
+
+
+class CallbackHook(LoopHook):
+    """``after_batch`` as a plain function of the progress (progress display, peer watching, benchmarks)."""
+
+    def __init__(self, fn: Callable[[LoopProgress], None]):
+        self.fn = fn
+
+    def after_batch(self, progress: LoopProgress) -> None:
+        self.fn(progress)
+
+
+class FaultHook(LoopHook):
+    """Fault drills of ``DISTEVAL_FAULTS`` (``disteval.faults.FaultPlan``): noise on outputs, kill or delay
+    after a batch."""
+
+    def __init__(self, faults: Any):
+        self.faults = faults
+
+    def on_outputs(self, outputs: Any) -> Any:
+        return self.faults.on_outputs(outputs)
+
+    def after_batch(self, progress: LoopProgress) -> None:
+        self.faults.on_batch(progress.batches)
+
+
+class GuardHook(LoopHook):
+    """The preemption guard (``disteval.resume.PreemptionGuard``): its checkpoint signal waits for whole
+    batches; it reads the samples done from the progress it is given."""
+
+    def __init__(self, guard: Any):
+        self.guard = guard
+
+    def before_loop(self, progress: LoopProgress) -> None:
+        self.guard.progress = progress
+
+    def batch_scope(self) -> ContextManager:
+        return self.guard.batch()

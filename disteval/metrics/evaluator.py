@@ -1,0 +1,88 @@
+"""What one rank accumulates while it evaluates: the metric's states, the sample-id coverage, and in the
+default bitwise mode the per-batch float partials in a ``BatchTreeSum`` (so float statistics do not depend
+on the world size), plus optionally a per-batch record (output digests and float partials) for
+``python -m diagnostics compare``. Pure: synchronising it is ``disteval.sync``'s job."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disteval.common.digest import outputs_digest
+from disteval.metrics.base import Metric
+from disteval.metrics.coverage import SampleIdCoverage
+from disteval.metrics.ordered_sum import BatchTreeSum
+
+
+class Evaluator:
+    """A metric with its coverage, order-independent float sums and an optional batch log.
+
+    Args:
+        metric: the task's Metric (float64 sum-states updated in place).
+        bitwise: fold each batch's float64 sum-state partials into a BatchTreeSum keyed by global batch index
+            (``eval.mode=bitwise``); False keeps plain running sums (``fast``).
+        record_batches: keep per batch ``[index, first id, size]``, the per-sample output digests and the
+            float partials (``batch_log()``), for ``diagnostics compare``.
+    """
+
+    def __init__(self, metric: Metric, bitwise: bool = True, record_batches: bool = False):
+        self.metric, self.bitwise, self.record_batches = metric, bitwise, record_batches
+        self.coverage = SampleIdCoverage()
+        names = metric.float_sum_states()
+        self.float_names = list(names)
+        self.float_shapes = [tuple(v.shape) for v in names.values()]
+        self.tree = BatchTreeSum(sum(v.numel() for v in names.values())) if bitwise else None
+        self._log: list[tuple[int, int, int]] = []
+        self._digests: list[torch.Tensor] = []
+        self._partials: list[torch.Tensor] = []
+
+    def process(self, batch_index: int, outputs: Any, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Add one batch (global batch ``batch_index``): metric update, coverage, float fold, batch log.
+        Raises what ``metric.update`` raises (DataError naming the sample)."""
+        self.metric.update(outputs, targets, sample_ids)
+        self.coverage.update(sample_ids)
+        partial = self._fold(batch_index) if self.tree is not None else None
+        if self.record_batches:
+            n = int(sample_ids.numel())
+            self._log.append((int(batch_index), int(sample_ids[0]) if n else -1, n))
+            self._digests.append(outputs_digest(outputs, n))
+            if partial is not None:
+                self._partials.append(partial)
+
+    def _fold(self, batch_index: int) -> torch.Tensor | None:
+        floats = self.metric.float_sum_states()
+        if not floats:
+            return None
+        flat = torch.cat([v.detach().reshape(-1) for v in floats.values()]).cpu()
+        self.tree.add(batch_index, flat)
+        for v in floats.values():
+            v.zero_()
+        return flat
+
+    def float_total(self) -> torch.Tensor:
+        """float64 [k]: this rank's folded float partials (zeros when nothing was folded)."""
+        return self.tree.total() if self.tree is not None else torch.zeros(0, dtype=torch.float64)
+
+    def load_float_total(self, total: torch.Tensor) -> None:
+        """Write a folded total ``[k]`` back into the metric's float64 sum-states (after the loop: the
+        local total; after synchronisation: the global one)."""
+        floats = self.metric.float_sum_states()
+        offset = 0
+        for v in floats.values():
+            v.copy_(total[offset:offset + v.numel()].reshape(v.shape).to(v.device))
+            offset += v.numel()
+
+    def finish_local(self) -> None:
+        """End of this rank's loop: in bitwise mode the float sum-states receive the local tree total (for
+        per-rank summaries and checkpoints); a no-op in fast mode."""
+        if self.tree is not None and self.float_names:
+            self.load_float_total(self.float_total())
+
+    def batch_log(self) -> dict:
+        """The per-batch record: ``batches`` [[index, first id, size]], ``digests`` (one int per sample, in
+        batch order), ``partials`` (float partials per batch, bitwise mode) and ``float_states`` (names and
+        shapes of the partials' parts). One host transfer, at the end."""
+        digests = torch.cat([d.cpu() for d in self._digests]).tolist() if self._digests else []
+        return {"batches": [list(b) for b in self._log], "digests": digests,
+                "partials": [p.tolist() for p in self._partials],
+                "float_states": [[n, list(s)] for n, s in zip(self.float_names, self.float_shapes)]}

@@ -1,0 +1,43 @@
+"""torchvision detection models by name (random init, torchvision weights or a local checkpoint)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision
+
+from disteval.errors import CheckpointError, ConfigError
+from disteval.models.checkpoint import check_state_dict, load_state_dict_file
+
+
+def detection_models() -> list[str]:
+    return torchvision.models.list_models(module=torchvision.models.detection)
+
+
+def build_detector(model_cfg: Any, category_ids: np.ndarray, seed: int = 0) -> torch.nn.Module:
+    """A torchvision detection model in eval mode. ``model.weights``: a weights name (e.g. COCO_V1, whose
+    labels are COCO category ids) or null for random init with ``model.num_classes`` (default: the largest
+    category id of ``category_ids`` + 1, so that labels are category ids). Raises ConfigError / CheckpointError."""
+    if model_cfg.name not in detection_models():
+        raise ConfigError("model.name", f"{model_cfg.name!r} is not a torchvision detection model; available: "
+                          f"{detection_models()}")
+    kwargs = dict(model_cfg.kwargs or {})
+    torch.manual_seed(seed)
+    if model_cfg.weights not in (None, "", "none", "null") and not model_cfg.checkpoint:
+        try:
+            weights = torchvision.models.get_model_weights(model_cfg.name)[model_cfg.weights]
+        except KeyError:
+            raise ConfigError("model.weights", f"{model_cfg.weights!r} is not a weights name of {model_cfg.name}")
+        return torchvision.models.get_model(model_cfg.name, weights=weights, **kwargs).eval()
+    num_classes = model_cfg.num_classes or int(category_ids.max(initial=0)) + 1
+    net = torchvision.models.get_model(model_cfg.name, weights=None, weights_backbone=None, num_classes=num_classes,
+                                       **kwargs)
+    if model_cfg.checkpoint:
+        state = load_state_dict_file(model_cfg.checkpoint)
+        check_state_dict(net, state, str(model_cfg.checkpoint))
+        try:
+            net.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{model_cfg.checkpoint}: {exc}") from None
+    return net.eval()

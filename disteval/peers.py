@@ -1,0 +1,61 @@
+"""Rank 0 watching its peers through their status records, with no collective: a failed, stalled or
+missing peer is named (as the culprit) within one timeout, while rank 0 evaluates and while it waits for
+the others to reach the synchronisation."""
+from __future__ import annotations
+
+import time
+
+from disteval.errors import DistevalError
+from disteval.records import read_status, recorded_progress
+
+
+class PeerFailedError(DistevalError):
+    """Rank 0, waiting for its peers before the synchronisation, saw a peer fail or stall. A victim's error:
+    ``blames`` is the peer's rank (the culprit)."""
+
+    def __init__(self, blames: int, message: str):
+        self.blames = blames
+        super().__init__(message)
+
+
+class PeerWatch:
+    """Rank 0's view of its peers through their status records (no collective): feeds the progress display
+    and raises PeerFailedError when a peer's record says ``failed`` (quoting its error), has not changed for
+    ``timeout_s`` seconds (stopped, hung on I/O, deadlocked), or never appeared, so that a stalled rank is
+    named within one timeout, while rank 0 is still evaluating as well as while it waits to synchronise."""
+
+    def __init__(self, run_dir: str, world_size: int, timeout_s: float, progress, started: float,
+                 every_s: float = 0.5):
+        self.run_dir, self.world_size, self.timeout_s = run_dir, world_size, timeout_s
+        self.progress, self.started, self.every_s = progress, started, every_s
+        self._last = 0.0
+
+    def check(self) -> list[dict | None]:
+        """Read every record, refresh the display, raise on a failed, stalled or missing peer."""
+        records = [read_status(self.run_dir, r) for r in range(self.world_size)]
+        now = time.time()
+        for r, s in enumerate(records):
+            if s and s.get("phase") == "failed":
+                err = s.get("error") or {}
+                raise PeerFailedError(r, f"rank {r} failed before the synchronisation: {err.get('type')}: "
+                                         f"{err.get('message')}")
+            if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > self.timeout_s:
+                raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {self.timeout_s:g} s "
+                                         f"(communication.timeout_s) in {recorded_progress(s)}")
+        missing = [r for r, s in enumerate(records) if s is None]
+        if missing and now - self.started > self.timeout_s:
+            raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")
+        if self.progress:
+            self.progress.refresh_from(records)
+        return records
+
+    def maybe_check(self) -> None:
+        """``check()`` at most every ``every_s`` seconds (called after each of rank 0's batches)."""
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            self.check()
+
+    def wait_all_in_sync(self) -> None:
+        """Poll until every rank reached ``sync`` (or raise as ``check`` does)."""
+        while not all(s and s.get("phase") in ("sync", "done") for s in self.check()):
+            time.sleep(0.2)

@@ -1,0 +1,120 @@
+"""The Task protocol and its registry: a task family turns a config into a dataset, a model (or a source
+of saved predictions), a metric, a per-batch step and a console section. The loop, the sync and the
+engine know no task by name; adding a family is one module that calls ``register_task`` plus its conf/
+files, or a class named by import path (``eval.task=package.module:ClassName``)."""
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch.utils.data import Dataset
+
+from disteval.errors import ConfigError
+from disteval.metrics.base import Metric
+
+_REGISTRY: dict[str, type["Task"]] = {}
+
+
+class Task(abc.ABC):
+    """One task family. Built on the driver (``preflight``) and in every rank from the job config.
+
+    Class attributes: ``name`` (the ``eval.task`` value) and ``data_names`` (the ``data.name`` values this
+    task evaluates when ``eval.task=auto``). Dataset items are ``(input, target, sample_id)`` with
+    ``sample_id`` the item's index in ``[0, len(dataset))``.
+    """
+
+    name: ClassVar[str] = ""
+    data_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def preflight(self, notes: list[str]) -> None:
+        """Driver-side checks before any rank starts (files readable, keys consistent, weights fetched once).
+        Raises ConfigError / DataError / CheckpointError naming the key or file; appends warnings to
+        ``notes``. Default: nothing to check."""
+
+    @abc.abstractmethod
+    def dataset(self) -> Dataset:
+        """The evaluation dataset (map-style; items ``(input, target, sample_id)``)."""
+
+    @abc.abstractmethod
+    def model(self, device: torch.device) -> torch.nn.Module | None:
+        """The model in eval mode on ``device``, or None when the outputs come from saved predictions."""
+
+    @abc.abstractmethod
+    def metric(self) -> Metric:
+        """A fresh metric (one per trial)."""
+
+    def collate_fn(self) -> Callable | None:
+        """The DataLoader's collate function (None: torch's default, stacking tensors)."""
+        return None
+
+    def step(self, model: torch.nn.Module | None, inputs: Any, device: torch.device) -> Any:
+        """One batch's forward: ``inputs`` as the loader yields them -> what ``metric.update`` takes. Runs
+        under ``torch.inference_mode`` and the precision policy's autocast. Default: ``model(inputs)`` on
+        ``device``, as float32."""
+        return model(inputs.to(device, non_blocking=True)).float()
+
+    def describe(self) -> dict:
+        """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
+        return {}
+
+    def console_section(self, metrics: dict) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
+        """How the console shows this task's metrics: (rows of (label, formatted value) for the main table,
+        extra rich renderables such as per-category tables, notes printed after them)."""
+        return [(k, _fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None], [], []
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "n/a"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+fmt = _fmt
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: make ``cls`` available as ``eval.task=<cls.name>`` and for its ``data_names``.
+    Raises ValueError for a missing or taken name."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} needs a class attribute name")
+    old = _REGISTRY.get(cls.name)
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"task name {cls.name!r} is taken by {old.__module__}.{old.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_tasks() -> dict[str, type[Task]]:
+    """``{name: Task class}`` of every registered task."""
+    return dict(_REGISTRY)
+
+
+def resolve_task(cfg: Any) -> type[Task]:
+    """The Task class of a job: ``eval.task`` = a registered name, ``package.module:ClassName`` (imported in
+    every rank), or ``auto`` (the registered task whose ``data_names`` holds ``data.name``).
+    Raises ConfigError naming ``eval.task`` or ``data.name``."""
+    choice = str(cfg.eval.get("task") or "auto")
+    if ":" in choice:
+        module, _, attr = choice.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError("eval.task", f"cannot import {choice!r}: {type(exc).__name__}: {exc}") from None
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise ConfigError("eval.task", f"{choice!r} is not a disteval.tasks.Task subclass")
+        return cls
+    if choice != "auto":
+        if choice not in _REGISTRY:
+            raise ConfigError("eval.task", f"unknown task {choice!r}; registered: {sorted(_REGISTRY)} (or "
+                              "package.module:ClassName)")
+        return _REGISTRY[choice]
+    for cls in _REGISTRY.values():
+        if cfg.data.name in cls.data_names:
+            return cls
+    known = sorted(n for c in _REGISTRY.values() for n in c.data_names)
+    raise ConfigError("data.name", f"no task evaluates data.name={cfg.data.name!r}; known: {known} (or set eval.task)")

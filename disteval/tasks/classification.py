@@ -1,0 +1,88 @@
+"""Image classification: a dataset of (image, label, sample id), a classifier's logits, and the metric
+families of ``eval.metrics`` (classification: top-k, confusion-derived, NLL, ECE; ranking: AUROC/AP)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape,
+                                    prepare_data)
+from disteval.errors import ConfigError
+from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
+from disteval.models import build_model, preflight_model, resolve_num_classes
+from disteval.tasks.base import Task, fmt, register_task
+
+FAMILIES = ("classification", "ranking")
+_LABELS = {"auroc_macro": "AUROC (macro, one-vs-rest)", "ap_macro": "AP (macro, one-vs-rest)",
+           "macro_precision": "macro precision", "macro_recall": "macro recall", "macro_f1": "macro F1",
+           "nll": "NLL (mean cross-entropy)"}
+
+
+@register_task
+class ClassificationTask(Task):
+    """``data.name`` digits | fashion_mnist | imagefolder with a classifier of ``model.*``."""
+
+    name = "classification"
+    data_names = ("digits", "fashion_mnist", "imagefolder")
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self._num_classes: int | None = None
+
+    @property
+    def num_classes(self) -> int:
+        """The model's classes (``model.num_classes`` or the dataset's class count)."""
+        if self._num_classes is None:
+            self._num_classes = resolve_num_classes(self.cfg.model, dataset_num_classes(self.cfg.data))
+        return self._num_classes
+
+    def preflight(self, notes: list[str]) -> None:
+        cfg = self.cfg
+        unknown = [m for m in cfg.eval.metrics if m not in FAMILIES]
+        if unknown:
+            raise ConfigError("eval.metrics", f"{unknown} are not metric families of classification data; "
+                              f"available: {list(FAMILIES)}")
+        check_data_root(cfg.data)
+        prepare_data(cfg.data)
+        data_classes = dataset_num_classes(cfg.data)
+        if self.num_classes != data_classes:
+            raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",
+                              f"the dataset {cfg.data.name} ({cfg.data.root or 'bundled'}) has {data_classes} classes "
+                              f"but the model {cfg.model.name} has {self.num_classes} outputs: labels would not line "
+                              "up with the model's classes (an ImageFolder root must hold every class folder, e.g. "
+                              "all 1000 ImageNet wnids)")
+        too_big = [k for k in cfg.eval.topk if k > self.num_classes]
+        if too_big:
+            raise ConfigError("eval.topk", f"k={too_big} exceed the {self.num_classes} classes; e.g. eval.topk=[1]")
+        preflight_model(cfg.model, self.num_classes, input_shape(cfg.data))
+
+    def dataset(self):
+        dataset, data_classes = build_dataset(self.cfg.data)
+        self._num_classes = resolve_num_classes(self.cfg.model, data_classes)
+        return dataset
+
+    def model(self, device: torch.device) -> torch.nn.Module:
+        return build_model(self.cfg.model, self.num_classes, seed=self.cfg.seed).to(device)
+
+    def metric(self) -> MetricCollection:
+        families = {"classification": lambda: ClassificationMetrics(self.num_classes, topk=list(self.cfg.eval.topk),
+                                                                    ece_bins=self.cfg.eval.ece_bins),
+                    "ranking": lambda: RankingMetrics(self.num_classes)}
+        return MetricCollection({name: families[name]() for name in self.cfg.eval.metrics})
+
+    def describe(self) -> dict:
+        return {"num_classes": self.num_classes}
+
+    def console_section(self, metrics: dict):
+        rows = [(f"top-{k[3:]} accuracy", fmt(v)) for k, v in metrics.items() if k.startswith("top") and k[3:].isdigit()]
+        rows += [(label, fmt(metrics[k])) for k, label in _LABELS.items() if k in metrics]
+        if "ece" in metrics:
+            rows.append((f"ECE ({metrics.get('ece_bins')} bins)", fmt(metrics["ece"])))
+        notes = []
+        present = metrics.get("classes_with_samples")
+        if present is not None and present < self.num_classes:
+            notes.append(f"only {present} of {self.num_classes} classes have samples; macro precision/recall/F1 "
+                         "average over all classes (classes without samples count as 0, scikit-learn's "
+                         "labels=range(C), zero_division=0)")
+        return rows, [], notes

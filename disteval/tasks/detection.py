@@ -1,0 +1,150 @@
+"""COCO detection: a torchvision detector on COCO images (``data.name=coco``), or a COCO results file
+replayed against its annotation file (``data.name=coco_replay``); COCO mAP identical to pycocotools
+(``disteval.metrics.detection``). Batches are lists of images of different sizes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+
+from disteval.data.coco import load_detections, load_ground_truth
+from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
+from disteval.errors import ConfigError
+from disteval.metrics.detection import CocoDetectionMetric
+from disteval.models.detection import build_detector, detection_models
+from disteval.tasks.base import Task, fmt, register_task
+
+# COCOeval.summarize's 12 statistics, in its order and wording
+COCO_LABELS = {"AP": "AP @[IoU=0.50:0.95 | area=all | maxDets=100]", "AP50": "AP @[IoU=0.50 | area=all | maxDets=100]",
+               "AP75": "AP @[IoU=0.75 | area=all | maxDets=100]", "APs": "AP @[IoU=0.50:0.95 | area=small | maxDets=100]",
+               "APm": "AP @[IoU=0.50:0.95 | area=medium | maxDets=100]",
+               "APl": "AP @[IoU=0.50:0.95 | area=large | maxDets=100]", "AR1": "AR @[IoU=0.50:0.95 | area=all | maxDets=1]",
+               "AR10": "AR @[IoU=0.50:0.95 | area=all | maxDets=10]",
+               "AR100": "AR @[IoU=0.50:0.95 | area=all | maxDets=100]",
+               "ARs": "AR @[IoU=0.50:0.95 | area=small | maxDets=100]",
+               "ARm": "AR @[IoU=0.50:0.95 | area=medium | maxDets=100]",
+               "ARl": "AR @[IoU=0.50:0.95 | area=large | maxDets=100]"}
+
+
+class _CocoTask(Task):
+    """What both COCO tasks share: the annotation file, the metric, the collate and the console."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self._gt = None
+
+    @property
+    def gt(self):
+        if self._gt is None:
+            self._gt = load_ground_truth(self.cfg.data.annotations)
+        return self._gt
+
+    def preflight(self, notes: list[str]) -> None:
+        cfg, d = self.cfg, self.cfg.data
+        if not d.annotations:
+            raise ConfigError("data.annotations", f"data.name={d.name} needs data.annotations=PATH (COCO JSON)")
+        if cfg.eval.iou_type not in ("bbox", "segm"):
+            raise ConfigError("eval.iou_type", f"must be bbox or segm, got {cfg.eval.iou_type!r}")
+        if list(cfg.eval.metrics) != ["coco"]:
+            raise ConfigError("eval.metrics", f"detection data takes eval.metrics=[coco], got {list(cfg.eval.metrics)}")
+        self.gt  # parsed here so that a bad entry fails before any rank starts
+
+    def metric(self) -> CocoDetectionMetric:
+        return CocoDetectionMetric(self.gt, self.cfg.eval.iou_type, keep_predictions=bool(self.cfg.eval.save_predictions))
+
+    def collate_fn(self):
+        return collate_images
+
+    def describe(self) -> dict:
+        return {"num_classes": self.gt.num_categories}
+
+    def console_section(self, metrics: dict):
+        from rich.table import Table
+
+        rows = [(label, fmt(metrics[k])) for k, label in COCO_LABELS.items() if k in metrics]
+        extra = []
+        per_cat = metrics.get("per_category_ap")
+        if isinstance(per_cat, dict):
+            table, columns = Table(title="per-category AP @[IoU=0.50:0.95 | area=all | maxDets=100]"), 4
+            for _ in range(columns):
+                table.add_column("category")
+                table.add_column("AP", justify="right")
+            items = list(per_cat.items())
+            nrows = (len(items) + columns - 1) // columns
+            for r in range(nrows):
+                cells = []
+                for c in range(columns):
+                    i = c * nrows + r
+                    cells += [items[i][0], fmt(items[i][1])] if i < len(items) else ["", ""]
+                table.add_row(*cells)
+            extra.append(table)
+        return rows, extra, []
+
+
+@register_task
+class CocoDetectionTask(_CocoTask):
+    """A torchvision detection model (``model.name``) on the images of ``data.root`` listed in
+    ``data.annotations``; bbox mAP."""
+
+    name = "detection"
+    data_names = ("coco",)
+
+    def preflight(self, notes: list[str]) -> None:
+        super().preflight(notes)
+        cfg, d = self.cfg, self.cfg.data
+        if not d.root or not Path(d.root).is_dir():
+            raise ConfigError("data.root", f"data.name=coco needs data.root=DIR holding the images, got {d.root!r}")
+        if cfg.eval.iou_type != "bbox":
+            raise ConfigError("eval.iou_type", "live models are evaluated with iou_type bbox in this version")
+        if cfg.model.name not in detection_models():
+            raise ConfigError("model.name", f"{cfg.model.name!r} is not a torchvision detection model; "
+                              f"available: {detection_models()}")
+        if cfg.model.weights not in (None, "", "none", "null") and not cfg.model.checkpoint:
+            try:  # download once here, not in every rank
+                torchvision.models.get_model_weights(cfg.model.name)[cfg.model.weights].get_state_dict(progress=False)
+            except KeyError:
+                raise ConfigError("model.weights", f"{cfg.model.weights!r} is not a weights name of "
+                                  f"{cfg.model.name}") from None
+            except Exception as exc:  # noqa: BLE001 - offline machines land here
+                raise ConfigError("model.weights", f"cannot fetch {cfg.model.name} {cfg.model.weights} "
+                                  f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH") from None
+
+    def dataset(self):
+        return CocoImages(self.cfg.data.root, self.cfg.data.annotations, self.gt, self.cfg.data.limit)
+
+    def model(self, device: torch.device) -> torch.nn.Module:
+        return build_detector(self.cfg.model, self.gt.category_ids, seed=self.cfg.seed).to(device)
+
+    def step(self, model, inputs, device):
+        """A list of images [3, H, W] -> torchvision's list of {boxes, scores, labels} (the detector pads
+        the batch to its largest image, so outputs depend on batch composition: batch-aligned shards keep
+        it the same at every world size)."""
+        return model([im.to(device, non_blocking=True) for im in inputs])
+
+
+@register_task
+class CocoReplayTask(_CocoTask):
+    """The detections of ``data.predictions`` (a COCO results file) against ``data.annotations``; no model."""
+
+    name = "replay"
+    data_names = ("coco_replay",)
+
+    def preflight(self, notes: list[str]) -> None:
+        super().preflight(notes)
+        if not self.cfg.data.predictions:
+            raise ConfigError("data.predictions", "data.name=coco_replay needs data.predictions=PATH "
+                              "(a COCO results JSON)")
+        load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type)
+
+    def dataset(self):
+        dets = load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type)
+        return ReplayImages(self.gt, dets, self.cfg.data.limit)
+
+    def model(self, device: torch.device) -> None:
+        return None
+
+    def step(self, model, inputs, device):
+        """The 'outputs' are the detections read from the results file."""
+        return list(inputs)

@@ -1,0 +1,165 @@
+"""The layering of ../shared/DESIGN.md as a test: every import statement of the project's modules (module
+level *and* inside functions, so a lazy import cannot hide an edge) is read with ast and checked against
+the allowed direction; the import graph must have no cycle."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("disteval", "launchers", "hydra_plugins", "diagnostics")
+
+# layer of a module: the first matching prefix wins
+LAYERS = [
+    ("disteval.common", "leaf"), ("disteval.errors", "leaf"),
+    ("disteval.metrics", "metrics"), ("disteval.data", "data"), ("disteval.comm", "comm"),
+    ("disteval.models", "models"), ("disteval.tasks", "tasks"),
+    ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.resume", "support"),
+    ("disteval.config", "support"),
+    ("disteval.sync", "sync"), ("disteval.records", "records"), ("disteval.report", "report"),
+    ("disteval.loop", "loop"), ("disteval.peers", "loop"),
+    ("disteval", "app"),  # engine, bootstrap, cli, preflight, sweep: the top of the library
+    ("launchers", "launchers"), ("hydra_plugins", "launchers"), ("diagnostics", "diagnostics"),
+]
+BELOW = {  # what each layer may import (besides itself)
+    "leaf": set(),
+    "metrics": {"leaf"}, "data": {"leaf"}, "comm": {"leaf"}, "models": {"leaf"},
+    "support": {"leaf"},
+    "tasks": {"leaf", "data", "models", "metrics", "support"},
+    "sync": {"leaf", "metrics", "comm"},
+    "records": {"leaf"},
+    "report": {"leaf", "records"},
+    "loop": {"leaf", "data", "metrics", "sync", "records", "support", "comm", "tasks"},
+    "app": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report", "loop",
+            "launchers"},
+    "launchers": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report",
+                  "loop", "app"},
+    "diagnostics": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report",
+                    "loop", "app", "launchers"},
+}
+NO_TORCH_DISTRIBUTED = {"leaf", "metrics", "data", "models", "tasks", "records", "report", "support"}
+
+
+def layer_of(module: str) -> str:
+    if module == "disteval":  # the package itself holds __version__ only
+        return "leaf"
+    for prefix, layer in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise AssertionError(f"module {module} has no layer in tests/test_layering.py")
+
+
+def project_modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(path: Path, module: str, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file; ``from pkg import name`` resolves to the
+    submodule pkg.name when it is one."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative
+                parts = module.split(".")
+                parts = parts if is_pkg else parts[:-1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((sub if sub in modules else base, node.lineno))
+    return out
+
+
+def edges() -> list[tuple[str, str, int]]:
+    modules = project_modules()
+    out = []
+    for module, path in modules.items():
+        for target, line in imports_of(path, module, modules):
+            out.append((module, target, line))
+    return out
+
+
+def test_every_module_has_a_layer():
+    for module in project_modules():
+        layer_of(module)
+
+
+def test_imports_follow_the_layers():
+    modules = project_modules()
+    bad = []
+    for src, dst, line in edges():
+        a = layer_of(src)
+        if dst == "torch.distributed" or dst.startswith("torch.distributed."):
+            if a in NO_TORCH_DISTRIBUTED:
+                bad.append(f"{src}:{line} imports {dst} ({a} never imports torch.distributed)")
+            continue
+        if dst.split(".")[0] not in PACKAGES or dst not in modules and dst.split(".")[0] == "hydra_plugins":
+            continue
+        b = layer_of(dst)
+        if b == "diagnostics" and a != "diagnostics":
+            bad.append(f"{src}:{line} imports {dst} (nothing imports diagnostics)")
+        elif a != b and b not in BELOW[a]:
+            bad.append(f"{src}:{line} imports {dst} ({a} may not import {b})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    modules = project_modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for src, dst, _ in edges():
+        if dst in modules and dst != src:
+            graph[src].add(dst)
+        elif dst not in modules and dst.rsplit(".", 1)[0] in modules:  # from pkg.mod import name
+            graph[src].add(dst.rsplit(".", 1)[0])
+    for m in modules:  # a package's submodule importing the package itself is no cycle for this purpose
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    color: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        color[node] = 1
+        for nxt in sorted(graph[node]):
+            if color.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif not color.get(nxt):
+                visit(nxt, stack + [nxt])
+        color[node] = 2
+
+    for m in sorted(graph):
+        if not color.get(m):
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("rule", ["cycle", "upward"])
+def test_the_checks_catch_a_violation(rule, tmp_path, monkeypatch):
+    """The checker itself: a planted cycle and a planted upward import are found."""
+    pkg = tmp_path / "disteval"
+    (pkg / "metrics").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "metrics" / "__init__.py").write_text("")
+    if rule == "cycle":
+        (pkg / "metrics" / "a.py").write_text("from disteval.metrics import b\n")
+        (pkg / "metrics" / "b.py").write_text("def f():\n    from disteval.metrics.a import x\n")
+    else:
+        (pkg / "metrics" / "a.py").write_text("import torch.distributed as dist\nfrom disteval.comm import x\n")
+        (pkg / "comm").mkdir()
+        (pkg / "comm" / "__init__.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    check = test_no_import_cycles if rule == "cycle" else test_imports_follow_the_layers
+    with pytest.raises(AssertionError):
+        check()
