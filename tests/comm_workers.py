@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
-from disteval.engine import SyncPolicy, synchronise
+from disteval.metrics.evaluator import Evaluator
+from disteval.sync import SyncPolicy, synchronise
 from disteval.metrics import MetricCollection, RankingMetrics, SampleIdCoverage
 
 SCORE_ROWS = (700, 0, 451)  # ranking samples per rank (rank 1 holds none)
@@ -103,7 +104,7 @@ def _policy_cases(r: int, res: dict) -> None:
         metric = MetricCollection({"ranking": RankingMetrics(SCORE_CLASSES)})
         metric.update(logits, labels, torch.arange(labels.numel()))
         comm = Communicator()
-        synchronise(metric, SampleIdCoverage(), comm, [0.0], SyncPolicy(compression=mode))
+        synchronise(Evaluator(metric), comm, {}, SyncPolicy(compression=mode))
         out = metric.compute()
         scores = metric.metrics["ranking"]._states["scores"]
         res["auroc"][mode] = {"auroc_macro": out["auroc_macro"], "ap_macro": out["ap_macro"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,9 @@ from torch.utils.data import TensorDataset
 
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.data import IndexedDataset
-from disteval.engine import SyncPolicy, evaluate_shard, synchronise
+from disteval.loop import ShardSpec, evaluate_shard
+from disteval.metrics.evaluator import Evaluator
+from disteval.sync import SyncPolicy, synchronise
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
                               check_coverage)
 from disteval.records import StatusWriter
@@ -52,28 +55,27 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
             dataset = IndexedDataset(TensorDataset(torch.from_numpy(logits), torch.from_numpy(labels)))
             metric = MetricCollection({"classification": ClassificationMetrics(NUM_CLASSES, topk=TOPK),
                                        "ranking": RankingMetrics(NUM_CLASSES)})
-            coverage = SampleIdCoverage()
-            outcome = evaluate_shard(model, dataset, metric, coverage, rank=env.rank, world_size=env.world_size,
-                                     batch_size=batch_size)
-            other = copy.deepcopy(metric)
+            ev = Evaluator(metric)
+            outcome = evaluate_shard(model, dataset, ev, ShardSpec(env.rank, env.world_size, batch_size))
+            other = copy.deepcopy(ev)
             before = comm.collectives
-            runs, rows = synchronise(metric, coverage, comm, [float(env.rank), float(outcome.samples)])
+            runs, rows = astuple(synchronise(ev, comm, {"rank": env.rank, "samples": outcome.samples}))
             # the same states through the other policies: confusion reduce-scattered and finished per slice,
             # gathers losslessly compressed, everything above 64 bytes in async chunks of 48 bytes
             before_alt = chunked.by_op.copy()
-            synchronise(other, coverage, chunked, [0.0], SyncPolicy("lossless", None, reduce_scatter_min_bytes=0))
+            synchronise(other, chunked, {}, SyncPolicy("lossless", None, reduce_scatter_min_bytes=0))
             # multi-label variant: the same logits with multi-hot targets, sigmoid scores
             ml_data = IndexedDataset(TensorDataset(torch.from_numpy(logits),
                                                    torch.from_numpy(multilabel_targets(n, seed=n))))
             ml = RankingMetrics(NUM_CLASSES, multilabel=True)
-            evaluate_shard(model, ml_data, ml, SampleIdCoverage(), rank=env.rank, world_size=env.world_size,
-                           batch_size=batch_size)
-            synchronise(ml, SampleIdCoverage(), comm, [0.0])
+            ml_ev = Evaluator(ml)
+            evaluate_shard(model, ml_data, ml_ev, ShardSpec(env.rank, env.world_size, batch_size))
+            synchronise(ml_ev, comm, {})
             if env.rank == 0:
                 rep = check_coverage(runs, n)
                 out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
-                       "batches": outcome.batches, "rank_samples": [int(r[1]) for r in rows],
-                       "metrics_alt": other.compute(), "multilabel": ml.compute(), "alt_ops": dict(chunked.by_op - before_alt),
+                       "batches": outcome.batches, "rank_samples": [int(r["samples"]) for r in rows],
+                       "metrics_alt": other.metric.compute(), "multilabel": ml.compute(), "alt_ops": dict(chunked.by_op - before_alt),
                        "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
         status.update(phase="done", force=True)
@@ -94,10 +96,11 @@ def padding_worker(out_dir: str) -> None:
         logits = torch.zeros(10, 2)
         logits[:, 1] = 1.0
         logits[:2] = torch.tensor([1.0, 0.0])
-        metric, coverage = ClassificationMetrics(2, topk=(1,)), SampleIdCoverage()
-        evaluate_shard(torch.nn.Identity(), IndexedDataset(TensorDataset(logits, labels)), metric, coverage,
-                       rank=env.rank, world_size=env.world_size, batch_size=4)
-        runs, _ = synchronise(metric, coverage, Communicator(), [0.0])
+        metric = ClassificationMetrics(2, topk=(1,))
+        ev = Evaluator(metric)
+        evaluate_shard(torch.nn.Identity(), IndexedDataset(TensorDataset(logits, labels)), ev,
+                       ShardSpec(env.rank, env.world_size, 4))
+        runs = synchronise(ev, Communicator(), {}).runs
         if env.rank == 0:
             Path(out_dir, "padding.json").write_text(json.dumps(
                 {"top1": metric.compute()["top1"], "coverage_ok": check_coverage(runs, 10).ok}))
@@ -125,9 +128,9 @@ def coco_worker(out_dir: str, cases: list[dict]) -> None:
             images = np.arange(start, end)
             metric = CocoDetectionMetric(gt, case["iou_type"])
             metric.add_detections(images, dets.select(images))
-            coverage = SampleIdCoverage()
-            coverage.update(torch.from_numpy(images))
-            runs, _ = synchronise(metric, coverage, comm, [float(len(images))])
+            ev = Evaluator(metric)
+            ev.coverage.update(torch.from_numpy(images))
+            runs = synchronise(ev, comm, {"samples": len(images)}).runs
             if env.rank == 0:
                 out = {"metrics": metric.compute(), "coverage_ok": check_coverage(runs, n).ok,
                        "by_op": dict(comm.by_op)}

@@ -11,10 +11,10 @@ from torch.utils.data import TensorDataset
 
 from dist_workers import NUM_CLASSES, synthetic_logits
 from disteval.data import IndexedDataset
-from disteval.engine import evaluate_shard
-from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
-                              check_coverage)
-from disteval.resume import PreemptionGuard, load_checkpoint, save_checkpoint
+from disteval.loop import CallbackHook, GuardHook, ShardSpec, evaluate_shard
+from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics, check_coverage
+from disteval.metrics.evaluator import Evaluator
+from disteval.resume import PreemptionGuard, evaluator_state, load_checkpoint, load_evaluator_state, save_checkpoint
 
 
 class Preempted(Exception):
@@ -30,24 +30,24 @@ def _metric():
 def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch, where):
     logits, labels = synthetic_logits(203, seed=3)
     data = IndexedDataset(TensorDataset(torch.from_numpy(logits), torch.from_numpy(labels)))
-    whole, cov = _metric(), SampleIdCoverage()
-    evaluate_shard(torch.nn.Identity(), data, whole, cov, rank=1, world_size=2, batch_size=7)
-    want = whole.compute()
+    whole = Evaluator(_metric())
+    evaluate_shard(torch.nn.Identity(), data, whole, ShardSpec(1, 2, 7))
+    want = whole.metric.compute()
 
     monkeypatch.setenv("SLURM_JOB_ID", "1")  # the guard is active inside SLURM jobs only
-    key = {"config": "x", "world_size": 2, "rank": 1, "shard": [102, 203]}
+    key = {"config": "x", "world_size": 2, "rank": 1, "shard": [105, 203]}
     path = tmp_path / "checkpoint.pt"
-    metric, coverage = _metric(), SampleIdCoverage()
+    ev = Evaluator(_metric())
+    metric = ev.metric
 
     def previous_handler(signum, frame):  # stands for submitit's: requeue and exit
         raise Preempted()
 
     signal.signal(signal.SIGUSR2, previous_handler)
-    guard = PreemptionGuard(lambda: save_checkpoint(path, {k: v for k, (v, _) in metric.states().items()},
-                                                    coverage.runs(), guard.samples_done, key))
+    guard = PreemptionGuard(lambda: save_checkpoint(path, evaluator_state(ev), guard.progress.samples, key))
 
-    def on_batch(batches, samples):
-        if batches == 4 and where == "between batches":
+    def on_batch(progress):
+        if progress.batches == 4 and where == "between batches":
             os.kill(os.getpid(), signal.SIGUSR2)
 
     update, calls = metric.update, []
@@ -61,19 +61,17 @@ def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch
     metric.update = update_then_signal
 
     with pytest.raises(Preempted), guard:
-        evaluate_shard(torch.nn.Identity(), data, metric, coverage, rank=1, world_size=2, batch_size=7,
-                       on_batch=on_batch, guard=guard)
+        evaluate_shard(torch.nn.Identity(), data, ev, ShardSpec(1, 2, 7),
+                       hooks=[GuardHook(guard), CallbackHook(on_batch)])
     signal.signal(signal.SIGUSR2, signal.SIG_DFL)
     ckpt = load_checkpoint(path, key)
     assert ckpt is not None and ckpt["samples_done"] == 28 and guard.saved
     assert load_checkpoint(path, dict(key, world_size=4)) is None  # another job's checkpoint is ignored
 
-    resumed, cov2 = _metric(), SampleIdCoverage()
-    resumed.load_synced(ckpt["states"])
-    cov2.update_runs(ckpt["runs"])
-    out = evaluate_shard(torch.nn.Identity(), data, resumed, cov2, rank=1, world_size=2, batch_size=7,
-                         skip=ckpt["samples_done"])
-    assert out.samples == 101
-    assert resumed.compute() == want
-    runs = cov2.runs().numpy()
-    assert check_coverage(np.concatenate([runs, [[0, 102]]]), 203).ok  # every id of the shard exactly once
+    resumed = Evaluator(_metric())
+    load_evaluator_state(resumed, ckpt["state"])
+    out = evaluate_shard(torch.nn.Identity(), data, resumed, ShardSpec(1, 2, 7, skip=ckpt["samples_done"]))
+    assert out.samples == 98  # batch-aligned: rank 1 of 2 holds global batches 15..29, samples [105, 203)
+    assert resumed.metric.compute() == want  # bit for bit, float sums included
+    runs = resumed.coverage.runs().numpy()
+    assert check_coverage(np.concatenate([runs, [[0, 105]]]), 203).ok  # every id of the shard exactly once

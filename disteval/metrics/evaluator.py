@@ -4,6 +4,7 @@ on the world size), plus optionally a per-batch record (output digests and float
 ``python -m diagnostics compare``. Pure: synchronising it is ``disteval.sync``'s job."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ class Evaluator:
         self.metric, self.bitwise, self.record_batches = metric, bitwise, record_batches
         self.coverage = SampleIdCoverage()
         names = metric.float_sum_states()
+        if bitwise and any(bool(v.any()) for v in names.values()):
+            raise ValueError("the metric already holds float sums: build the Evaluator before the first update "
+                             "(bitwise mode folds float partials per batch)")
         self.float_names = list(names)
         self.float_shapes = [tuple(v.shape) for v in names.values()]
         self.tree = BatchTreeSum(sum(v.numel() for v in names.values())) if bitwise else None
@@ -58,6 +62,11 @@ class Evaluator:
         for v in floats.values():
             v.zero_()
         return flat
+
+    @property
+    def width(self) -> int:
+        """Total number of float64 elements of the metric's float sum-states."""
+        return sum(math.prod(s) for s in self.float_shapes)
 
     def float_total(self) -> torch.Tensor:
         """float64 [k]: this rank's folded float partials (zeros when nothing was folded)."""
