@@ -71,7 +71,7 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
             code, console = 124, f"timed out after {timeout_s:g} s (--attempt-timeout-s)\n{partial}"
         if run_dir.exists():
             (run_dir / "console.log").write_text(console)
-            current = diagnose(load_run(run_dir))
+            current = diagnose(load_run(run_dir), reference=base.derived.get("reference"))
         else:
             log(f"{run_dir.name} wrote no run directory (exit code {code}): {console.strip()[-300:]}")
         fixed = code == 0 and current.verdict is None and run_dir.exists()

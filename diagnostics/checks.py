@@ -18,11 +18,12 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from disteval.data.sharding import shard_bounds
+from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
 from disteval.records import INTERRUPT_TYPES, is_network_error, recorded_progress
 from launchers.culprit import culprit_from_records
 
+from diagnostics.compare import compare_runs, summary
 from diagnostics.evidence import Evidence, Run, traceback_frame
 from diagnostics.remedies import Remedy
 
@@ -323,17 +324,20 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
                        [Evidence(".hydra/config.yaml", sampler, field="data.sampler")],
                        Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"),
                        culprit=first if sampler == "padded" else None)
-    sizes = [shard_bounds(n, size, r) for r in range(size)]
+    aligned = run.cfg("eval.mode", "bitwise") == "bitwise" and bs  # whole global batches per rank (v2 default)
+    sizes = [batch_aligned_bounds(n, bs, size, r) if aligned else shard_bounds(n, size, r) for r in range(size)]
     sizes = [e - s for s, e in sizes]
     ev = [Evidence("results.json" if run.results else "ranks/*/status.json", str(n), field="dataset.num_samples")]
     bad = [r for r, s in run.statuses.items() if s and s.get("samples_planned") not in (None, sizes[r] if r < size else None)]
     if bad:
         r = bad[0]
         return Finding("SHARDS", "plan", "fail", f"rank {r} planned {run.statuses[r]['samples_planned']} samples but its "
-                       f"exact shard of N={n}, W={size} holds {sizes[r]}: the ranks disagree on the dataset",
+                       f"exact shard of N={n}, W={size}{', batch ' + str(bs) if aligned else ''} holds {sizes[r]}: "
+                       "the ranks disagree on the dataset",
                        ev + [_status_ev(run, r, "samples_planned")], culprit=r)
     batches = [math.ceil(s / bs) if bs else None for s in sizes]
-    text = f"exact shards of N={n} over W={size}: {min(sizes)}..{max(sizes)} samples"
+    text = (f"{'batch-aligned ' if aligned else ''}exact shards of N={n} over W={size}: "
+            f"{min(sizes)}..{max(sizes)} samples")
     if bs:
         text += f", {min(batches)}..{max(batches)} batches of {bs}"
     empty = [r for r, s in enumerate(sizes) if s == 0]
@@ -414,6 +418,38 @@ def convergence_flags(run: Run, probes: dict | None) -> Finding:
                        ev, Remedy(["precision.deterministic=true", "precision.tf32=false"], "bitwise reproducible forward"))
     return Finding("CONVERGENCE", "flags", "pass", "no nondeterminism flag matters on " + (device or "this device")
                    + (f" ({', '.join(flags)})" if flags else ""), ev)
+
+
+def convergence_reference(run: Run, probes: dict | None) -> Finding:
+    """The metrics equal those of a reference run bit for bit (``doctor --reference RUN``, ``diagnostics.compare``);
+    if not, the first differing metric, where the forward differs and the settings that differ."""
+    ref = run.derived.get("reference")
+    if ref is None:
+        return Finding("CONVERGENCE", "reference", "skipped", "no reference run (--reference RUN compares the metrics "
+                       "and per-sample outputs with one)")
+    if not run.results:
+        return Finding("CONVERGENCE", "reference", "skipped", f"no results.json to compare with the reference {ref}")
+    cmp = compare_runs(run.path, ref)
+    fwd = cmp["forward"]
+    if cmp["identical"]:
+        return Finding("CONVERGENCE", "reference", "pass", f"metrics identical to the reference {ref} "
+                       f"({cmp['metrics_compared']} values); forward: {fwd['note']}",
+                       [Evidence(f"{ref}/results.json", "identical", field="metrics")])
+    m = cmp["first_metric"]
+    ev = [Evidence("results.json", repr(m["a"]), field=f"metrics.{m['key']}"),
+          Evidence(f"{ref}/results.json", repr(m["b"]), field=f"metrics.{m['key']}")]
+    if fwd["identical"] is False:
+        ev.append(Evidence(f"ranks/rank{fwd['first_batch_rank']}/batches.json", f"{fwd['count']} sample(s) differ, "
+                           f"first {fwd['sample_ids']}", field="digests"))
+    differ = {s["setting"]: s for s in cmp["settings_differ"]}
+    remedy = None
+    if cmp["reduction"] and differ.get("mode", {}).get("b") == "bitwise":  # only the reduction differs: fast mode
+        threads = differ.get("compute.threads", {}).get("b")
+        remedy = Remedy(["eval.mode=bitwise"] + ([f"dist.threads={threads}"] if threads else []), "the reference's "
+                        "mode (and threads): bitwise mode reproduces its metrics at any world size")
+    culprit = fwd["ranks"][0] if len(fwd["ranks"]) == 1 and (run.world_size or 1) > 1 else None
+    return Finding("CONVERGENCE", "reference", "fail", f"the metrics differ from the reference {ref} (A = this run, "
+                   f"B = the reference): {summary(cmp)}", ev, remedy, culprit)
 
 
 # ------------------------------------------------------------------------------------------------ COMM
@@ -603,7 +639,7 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
     "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
     "SHARDS": [shards_plan, shards_coverage],
-    "CONVERGENCE": [convergence_trials, convergence_flags],
+    "CONVERGENCE": [convergence_trials, convergence_flags, convergence_reference],
     "COMM": [comm_timeout, comm_mismatch, comm_stragglers],
     "RESULT": [result_outliers, result_sanity],
 }

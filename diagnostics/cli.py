@@ -1,8 +1,13 @@
-"""``python -m diagnostics doctor RUN_DIR [--probe] [--apply] [--json] [--verbose]``.
+"""``python -m diagnostics doctor RUN_DIR [--probe] [--apply] [--reference RUN] [--json] [--verbose]`` and
+``python -m diagnostics compare RUN_A RUN_B [--json]``.
 
-RUN_DIR is a run directory or a Hydra sweep directory (every job in it is diagnosed). Exit codes: 0 every
-run is healthy; 1 problems found (some check failed); 2 the doctor could not finish (no such directory, no
-records, unreadable config for --probe, or a check crashed while nothing failed).
+doctor: RUN_DIR is a run directory or a Hydra sweep directory (every job in it is diagnosed). Exit codes: 0
+every run is healthy; 1 problems found (some check failed); 2 the doctor could not finish (no such directory,
+no records, an unreadable --reference run, unreadable config for --probe, or a check crashed while nothing
+failed). --reference RUN adds the CONVERGENCE check "reference": the metrics must equal RUN's.
+
+compare: where two runs disagree (``diagnostics.compare``). Exit codes: 0 identical metrics, 1 they differ,
+2 they cannot be compared.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from diagnostics.apply import apply_remedies
+from diagnostics.compare import load_records, run_compare
 from diagnostics.evidence import find_runs, load_run
 from diagnostics.machine import diagnose
 from diagnostics.report import SCHEMA_VERSION, as_dict, print_diagnosis, remedy_command
@@ -47,14 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--apply: seconds before the 2nd rerun, doubling")
     doc.add_argument("--attempt-timeout-s", type=_at_least(1.0, float), default=3600.0,
                      help="--apply: seconds one rerun may take")
+    doc.add_argument("--reference", type=Path, metavar="RUN", help="a run whose metrics this run must reproduce "
+                     "exactly (CONVERGENCE/reference names the first differing metric and where the forward differs)")
     doc.add_argument("--json", action="store_true", help="print the diagnosis as JSON (schema in diagnostics/report.py)")
     doc.add_argument("--verbose", "-v", action="store_true", help="also list skipped checks")
+    cmp = sub.add_parser("compare", help="name where two runs disagree",
+                         description="Compare two runs' metrics, per-sample outputs (batches.json digests), per-batch "
+                                     "float partials and settings; name the first differing metric, batch and samples.")
+    cmp.add_argument("run_a", type=Path, help="a run directory (hydra.run.dir)")
+    cmp.add_argument("run_b", type=Path, help="the run directory to compare it with")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON (schema in diagnostics/compare.py)")
     return parser
 
 
 def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]:
     """Diagnose every run under ``args.run_dir``; returns (exit code, JSON objects of the runs)."""
     out, code = [], 0
+    reference = getattr(args, "reference", None)
+    if reference is not None:
+        load_records(reference)  # unreadable: the doctor cannot finish (exit 2), before any run is diagnosed
     for path in find_runs(args.run_dir):
         run = load_run(path)
         probes = None
@@ -62,7 +79,7 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
             from diagnostics.probes import run_probes
 
             probes = run_probes(run, path / "doctor" / f"probe-{time.strftime('%Y%m%d-%H%M%S')}")
-        diag = diagnose(run, probes)
+        diag = diagnose(run, probes, reference=reference)
         attempts: list[dict] = []
         if not args.json:
             print_diagnosis(diag, console, args.verbose)
@@ -93,6 +110,8 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     console = Console()
+    if args.command == "compare":
+        sys.exit(run_compare(args.run_a, args.run_b, args.json, console))
     try:
         code, runs = doctor(args, console)
     except (FileNotFoundError, ValueError) as exc:

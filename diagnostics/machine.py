@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from diagnostics.checks import CHECKS, STATES, Finding
 from diagnostics.evidence import Evidence, Run
@@ -62,8 +63,11 @@ class Diagnosis:
         return 2 if self.crashed else 0
 
 
-def diagnose(run: Run, probes: dict | None = None) -> Diagnosis:
-    """Run every check of every state on ``run`` (and the probe results) and return the Diagnosis."""
+def diagnose(run: Run, probes: dict | None = None, reference: str | Path | None = None) -> Diagnosis:
+    """Run every check of every state on ``run`` (and the probe results) and return the Diagnosis.
+    ``reference``: a run directory whose metrics ``run`` must reproduce (CONVERGENCE/reference)."""
+    if reference is not None:
+        run.derived["reference"] = Path(reference)
     diag = Diagnosis(run)
     for problem in run.problems:  # a record that exists but cannot be read: nothing can be concluded from it
         diag.findings.append(Finding("INIT", "records", "fail", problem + " (the doctor cannot judge what it held)",

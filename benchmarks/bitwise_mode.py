@@ -1,0 +1,299 @@
+"""Cost of ``eval.mode=bitwise`` against ``eval.mode=fast``, and the idle time batch alignment adds, all
+measured in one run.
+
+    python benchmarks/bitwise_mode.py [--world-sizes 1 2] [--repeats 3] [--batch-size 256]
+                                      [--idle-world-size 8] [--idle-batch-size 64] [--quick]
+
+1. Throughput. Every job is a real ``python -m disteval +experiment=fashion_mnist`` subprocess (its own
+   ``hydra.run.dir`` in a temporary directory, ``eval.progress=false``) on the full 10,000-image Fashion-MNIST
+   test set at batch 256; the figure is results.json's ``throughput.images_per_s`` (samples / forward seconds
+   of the slowest rank), median of ``--repeats`` runs (the variants alternate inside each repeat, so drift of
+   the machine hits all of them alike). Per world size W, four variants:
+
+   - ``fast``: sample-even shards, the cores shared among local ranks (cores // W threads), running float sums
+     (the baseline of the ratios);
+   - ``bitwise``: the default: batch-aligned shards, 1 intra-op thread per rank, float sums in a fixed tree
+     over global batch indices, per-sample output digests (``eval.record_batches=true``);
+   - ``bitwise, no digests``: the same with ``eval.record_batches=false``: digests on / off is the cost of the
+     per-sample digests;
+   - ``bitwise, threads=cores/W``: the same threads as fast mode (``dist.threads=cores // W``): bitwise with
+     these threads / fast is what batch alignment and the tree sum cost; bitwise / this is what the fixed
+     thread count costs. Where cores // W = 1 it is the default bitwise job, not run twice.
+
+   Also checked: every run saw the expected samples and ran in the requested mode; and, printed, whether the
+   default bitwise metrics are identical at every W of the run.
+
+2. Idle time of batch alignment at W = ``--idle-world-size`` (8), N = 10,000, batch ``--idle-batch-size`` (64).
+   From the shard plan (``disteval.common.ranges.batch_aligned_bounds`` vs ``shard_bounds``): per-rank samples
+   and batches, max / mean samples, and the idle rank-seconds as a fraction of the total,
+   sum_r(max - n_r) / (W * max) (ranks forward at equal speed and wait for the slowest). Measured by one real
+   bitwise run at that W (``data.limit=N``): per-rank forward seconds from results.json, max / mean and the
+   same idle fraction with seconds in place of samples. With more ranks than cores the ranks share the cores,
+   so the measured per-rank seconds include scheduler contention (the output says so).
+
+``--quick``: 1 repeat and ``data.limit=2000`` everywhere (also N of part 2), a smoke run. A failing run prints
+the tail of its stderr and stdout, and the benchmark exits non-zero. Printed: two tables, a ratio summary
+and, last, one JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+FULL_N = 10_000  # Fashion-MNIST test split
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def run_job(workdir: Path, tag: str, world_size: int, overrides: list[str], expect_samples: int,
+            expect_mode: str, timeout: float) -> dict:
+    """One ``python -m disteval`` job; returns its results.json (plus ``_wall_s``, the subprocess's wall time).
+    Raises RunFailed (with the tail of stderr/stdout) on a non-zero exit, a timeout, a missing results.json, a
+    sample count other than ``expect_samples`` or a mode other than ``expect_mode``."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{tag}_", dir=workdir))
+    cmd = [sys.executable, "-m", "disteval", f"hydra.run.dir={run_dir}", "+experiment=fashion_mnist",
+           f"dist.world_size={world_size}", "eval.progress=false", *overrides]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise RunFailed(f"{' '.join(cmd)}\ntimed out after {timeout:.0f} s\n--- stderr tail ---\n{_tail(out)}")
+    wall = time.perf_counter() - t0
+    results_path = run_dir / "results.json"
+    problem = None
+    if proc.returncode != 0:
+        problem = f"exit status {proc.returncode}"
+    elif not results_path.is_file():
+        problem = f"no {results_path}"
+    if problem is None:
+        res = json.loads(results_path.read_text())
+        samples = sum(int(p["samples"]) for p in res["per_rank"])
+        mode = res.get("compute", {}).get("mode")
+        if samples != expect_samples:
+            problem = f"ranks forwarded {samples} samples, expected {expect_samples}"
+        elif mode != expect_mode:
+            problem = f"ran in mode {mode!r}, expected {expect_mode!r}"
+        elif not res["throughput"].get("images_per_s"):
+            problem = "no throughput.images_per_s"
+    if problem is not None:
+        raise RunFailed(f"{' '.join(cmd)}\n{problem}\n--- stderr tail ---\n{_tail(proc.stderr)}"
+                        f"\n--- stdout tail ---\n{_tail(proc.stdout, 15)}")
+    res["_wall_s"] = wall
+    return res
+
+
+def variants(world_size: int, cores: int) -> dict[str, list[str] | None]:
+    """Variant name -> overrides (None: the same job as the default bitwise one, reused)."""
+    threads = max(1, cores // world_size)
+    return {"fast": ["eval.mode=fast"],
+            "bitwise": ["eval.mode=bitwise"],
+            "bitwise, no digests": ["eval.mode=bitwise", "eval.record_batches=false"],
+            "bitwise, threads=cores/W": None if threads == 1 else ["eval.mode=bitwise", f"dist.threads={threads}"]}
+
+
+def shard_plan(n: int, batch: int, world_size: int) -> dict:
+    """Per-rank samples and batches under batch-aligned and sample-even shards, max/mean samples and the idle
+    fraction sum(max - n_r) / (W * max) of each."""
+    from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_bounds
+
+    plan = {}
+    for name, bounds in (("batch_aligned", lambda r: batch_aligned_bounds(n, batch, world_size, r)),
+                         ("sample_even", lambda r: shard_bounds(n, world_size, r))):
+        samples = [b - a for a, b in map(bounds, range(world_size))]
+        assert sum(samples) == n, (name, samples)
+        plan[name] = {"samples": samples, "batches": [num_batches(s, batch) for s in samples],
+                      **_imbalance(samples)}
+    return plan
+
+
+def _imbalance(values: list[float]) -> dict:
+    top, mean = max(values), statistics.fmean(values)
+    idle = sum(top - v for v in values) / (len(values) * top) if top > 0 else 0.0
+    return {"max": top, "mean": mean, "max_over_mean": top / mean if mean > 0 else float("nan"),
+            "idle_fraction": idle}
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=None, help="data.limit of part 1 (default: all 10,000)")
+    ap.add_argument("--idle-world-size", type=int, default=8)
+    ap.add_argument("--idle-batch-size", type=int, default=64)
+    ap.add_argument("--idle-samples", type=int, default=FULL_N, help="N of part 2")
+    ap.add_argument("--skip-idle-run", action="store_true", help="part 2 from the shard plan only")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per disteval run")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, data.limit=2000 (smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.limit, args.idle_samples = 1, 2000, 2000
+    n = min(args.limit, FULL_N) if args.limit else FULL_N
+    idle_n = min(args.idle_samples, FULL_N)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    cores = os.cpu_count() or 1
+    limit = [f"data.limit={n}"] if n < FULL_N else []
+    common = [f"data.batch_size={args.batch_size}", *limit]
+    t_start = time.perf_counter()
+
+    runs: dict[tuple[int, str], list[dict]] = {}
+    idle_res = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bitwise_mode_bench_") as tmp:
+            workdir = Path(tmp)
+            console.print(f"fashion-mnist, {n:,} images, batch {args.batch_size}, {cores} cores, "
+                          f"world sizes {args.world_sizes}, {args.repeats} repeat(s)")
+            for rep in range(args.repeats):
+                for w in args.world_sizes:
+                    for name, overrides in variants(w, cores).items():
+                        if overrides is None:
+                            continue
+                        mode = "fast" if "eval.mode=fast" in overrides else "bitwise"
+                        res = run_job(workdir, f"w{w}_{mode}", w, [*common, *overrides], n, mode, args.timeout)
+                        runs.setdefault((w, name), []).append(res)
+                        console.print(f"  repeat {rep + 1}/{args.repeats}  W={w}  {name:<26} "
+                                      f"{res['throughput']['images_per_s']:8.0f} images/s  "
+                                      f"(threads {res['compute']['threads']}, job {res['_wall_s']:.1f} s)")
+            if not args.skip_idle_run:
+                iw = args.idle_world_size
+                console.print(f"  W={iw} bitwise, {idle_n:,} images, batch {args.idle_batch_size} "
+                              f"({iw} ranks on {cores} cores) ...")
+                idle_res = run_job(workdir, f"w{iw}_idle", iw,
+                                   ["eval.mode=bitwise", f"data.batch_size={args.idle_batch_size}",
+                                    f"data.limit={idle_n}"], idle_n, "bitwise", args.timeout)
+    except RunFailed as e:
+        console.print(f"[bold red]disteval run failed[/]: {e}", markup=True, highlight=False)
+        return 1
+
+    # ------------------------------------------------------------------------------------ part 1 report
+    summary: dict = {"config": {"samples": n, "batch_size": args.batch_size, "cores": cores,
+                                "repeats": args.repeats, "world_sizes": args.world_sizes}, "throughput": {}}
+    table = Table(title=f"throughput, fashion-mnist {n:,} images, batch {args.batch_size} "
+                        f"(median of {args.repeats}, results.json throughput.images_per_s)")
+    table.caption = ("x/fast, x/bitwise: throughput relative to fast mode's and default bitwise's at the same W "
+                     "(< 1 = slower); threads: intra-op threads per rank")
+    for col in ("W", "variant", "threads", "images/s", "min - max", "x/fast", "x/bitwise"):
+        table.add_column(col, justify="left" if col == "variant" else "right", no_wrap=True)
+    for w in args.world_sizes:
+        med = {}
+        for name, overrides in variants(w, cores).items():
+            rs = runs[(w, "bitwise" if overrides is None else name)]
+            ips = [r["throughput"]["images_per_s"] for r in rs]
+            med[name] = statistics.median(ips)
+            summary["throughput"].setdefault(str(w), {})[name] = {
+                "images_per_s": med[name], "runs": ips, "threads": rs[0]["compute"]["threads"],
+                "same_job_as": "bitwise" if overrides is None else None}
+        for name, overrides in variants(w, cores).items():
+            rs = runs[(w, "bitwise" if overrides is None else name)]
+            ips = [r["throughput"]["images_per_s"] for r in rs]
+            label = name + (" (= bitwise)" if overrides is None else "")
+            table.add_row(str(w), label, str(rs[0]["compute"]["threads"]), f"{med[name]:,.0f}",
+                          f"{min(ips):,.0f} - {max(ips):,.0f}", f"{med[name] / med['fast']:.2f}x",
+                          f"{med[name] / med['bitwise']:.2f}x")
+        summary["throughput"][str(w)]["ratios"] = {
+            "bitwise/fast": med["bitwise"] / med["fast"],
+            "bitwise_threads_cores_over_W/fast": med["bitwise, threads=cores/W"] / med["fast"],
+            "bitwise/bitwise_threads_cores_over_W": med["bitwise"] / med["bitwise, threads=cores/W"],
+            "digests_on/off": med["bitwise"] / med["bitwise, no digests"]}
+        if w != args.world_sizes[-1]:
+            table.add_section()
+    console.print(table)
+
+    ratios = Table(title="ratios of median throughput (< 1: the first is slower)")
+    ratios.add_column("W", justify="right")
+    for col, what in (("bitwise / fast", "the whole bitwise default"),
+                      ("bitwise thr=cores/W / fast", "alignment + tree sum"),
+                      ("bitwise / bitwise thr=cores/W", "fixed 1 thread"),
+                      ("digests on / off", "per-sample digests")):
+        ratios.add_column(f"{col}\n({what})", justify="right")
+    for w in args.world_sizes:
+        r = summary["throughput"][str(w)]["ratios"]
+        ratios.add_row(str(w), *(f"{r[k]:.2f}x" for k in ("bitwise/fast", "bitwise_threads_cores_over_W/fast",
+                                                           "bitwise/bitwise_threads_cores_over_W", "digests_on/off")))
+    console.print(ratios)
+
+    metrics = {w: json.dumps(runs[(w, "bitwise")][0]["metrics"], sort_keys=True) for w in args.world_sizes}
+    same = len(set(metrics.values())) == 1
+    summary["bitwise_metrics_identical_across_W"] = same
+    if len(args.world_sizes) > 1:
+        console.print(f"default bitwise metrics identical at W = {args.world_sizes}: {'yes' if same else 'NO'}")
+
+    # ------------------------------------------------------------------------------------ part 2 report
+    iw, ib = args.idle_world_size, args.idle_batch_size
+    plan = shard_plan(idle_n, ib, iw)
+    part2 = {"world_size": iw, "samples": idle_n, "batch_size": ib, "plan": plan}
+    idle = Table(title=f"batch alignment at W={iw}, N={idle_n:,}, batch {ib}: shard plan"
+                       + ("" if idle_res is None else " and one measured bitwise run"))
+    idle.caption = ("idle fraction = sum_r(max - x_r) / (W * max): rank-time spent waiting for the slowest rank, "
+                    "x = samples (plan) or forward seconds (measured)"
+                    + ("" if idle_res is None or iw <= cores else
+                       f"; the measured run has {iw} ranks on {cores} cores (oversubscribed {iw / cores:g}x): its "
+                       "per-rank seconds include waiting for a core, so they are noisy"))
+    idle.add_column("rank", justify="right")
+    for col in ("aligned samples", "aligned batches", "even samples", "even batches"):
+        idle.add_column(col, justify="right")
+    measured = None
+    if idle_res is not None:
+        idle.add_column("measured forward s", justify="right")
+        per = sorted(idle_res["per_rank"], key=lambda p: p["rank"])
+        secs = [float(p["seconds"]["forward"]) for p in per]
+        measured = {"forward_seconds": secs, "samples": [p["samples"] for p in per],
+                    "batches": [p.get("batches") for p in per], "images_per_s": idle_res["throughput"]["images_per_s"],
+                    "threads": idle_res["compute"]["threads"], "cores": cores, **_imbalance(secs)}
+        assert measured["samples"] == plan["batch_aligned"]["samples"], (measured["samples"], plan)
+        part2["measured"] = measured
+    a, e = plan["batch_aligned"], plan["sample_even"]
+    for r in range(iw):
+        row = [str(r), str(a["samples"][r]), str(a["batches"][r]), str(e["samples"][r]), str(e["batches"][r])]
+        if measured is not None:
+            row.append(f"{measured['forward_seconds'][r]:.2f}")
+        idle.add_row(*row)
+    idle.add_section()
+    row = ["max/mean", f"{a['max_over_mean']:.4f}", "", f"{e['max_over_mean']:.4f}", ""]
+    if measured is not None:
+        row.append(f"{measured['max_over_mean']:.3f}")
+    idle.add_row(*row)
+    row = ["idle", f"{a['idle_fraction']:.2%}", "", f"{e['idle_fraction']:.2%}", ""]
+    if measured is not None:
+        row.append(f"{measured['idle_fraction']:.2%}")
+    idle.add_row(*row)
+    console.print(idle)
+    if measured is not None and iw > cores:
+        console.print(f"note: {iw} ranks on {cores} cores: the measured seconds mix the shard imbalance with "
+                      "contention for the cores; the plan's idle fraction is the imbalance alone.")
+    summary["idle"] = part2
+    summary["seconds"] = time.perf_counter() - t_start
+    console.print(f"benchmark wall time {summary['seconds']:.0f} s")
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
