@@ -298,8 +298,11 @@ class DistevalConfig:
 def validated(cfg: Any) -> DistevalConfig:
     """The job config (a DictConfig or plain dict, extra driver keys ignored) as a validated
     ``DistevalConfig`` object. Raises ConfigError naming the key."""
-    container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    container = {k: v for k, v in container.items() if k in DistevalConfig.__dataclass_fields__}
+    container = {}
+    for key in DistevalConfig.__dataclass_fields__:
+        if key in cfg:  # only the schema's keys: a composed config may also hold an unresolvable hydra node
+            value = cfg[key]
+            container[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistevalConfig), container))
     obj.validate()
     return obj
