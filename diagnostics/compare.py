@@ -134,6 +134,7 @@ def load_records(path: str | Path) -> RunRecords:
 
 # ------------------------------------------------------------------------------------------------- metrics
 def _number(v: Any) -> bool:
+    """An int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -199,6 +200,7 @@ def _sample_index(batches: dict[int, dict]) -> tuple[dict[int, int], dict[int, t
 
 
 def _batch_keys(batches: dict[int, dict]) -> set[tuple[int, int, int]]:
+    """Every rank's batches as (global index, first sample id, size)."""
     return {(int(i), int(f), int(s)) for rec in batches.values() for i, f, s in rec["batches"]}
 
 
@@ -262,6 +264,7 @@ def compare_reduction(a: RunRecords, b: RunRecords) -> dict:
 
 # ------------------------------------------------------------------------------------------------ settings
 def _get(d: Any, dotted: str) -> Any:
+    """The value at a dotted key of nested dicts, or None."""
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
     return d
@@ -310,6 +313,7 @@ def compare_runs(path_a: str | Path, path_b: str | Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------- output
 def _metric_text(m: dict) -> str:
+    """``key: A=.. B=.. (relative difference ..)``."""
     rel = f" (relative difference {m['rel_diff']:.3g})" if m.get("rel_diff") is not None else ""
     return f"{m['key']}: A={m['a']!r} B={m['b']!r}{rel}"
 
@@ -328,6 +332,12 @@ def summary(result: dict) -> str:
     if result["settings_differ"]:
         text += "; settings that differ: " + ", ".join(s["setting"] for s in result["settings_differ"])
     return text
+
+
+def _short(value: Any) -> str:
+    """A setting's value for the table: long ones (config digests) cut to 24 characters."""
+    text = str(value)
+    return text if len(text) <= 24 else text[:23] + "…"
 
 
 def print_comparison(result: dict, console: Console) -> None:
@@ -351,7 +361,7 @@ def print_comparison(result: dict, console: Console) -> None:
         for col in ("setting", "A", "B", "note"):
             table.add_column(col, overflow="fold")
         for s in result["settings_differ"]:
-            table.add_row(s["setting"], escape(str(s["a"])), escape(str(s["b"])), escape(s["note"]))
+            table.add_row(s["setting"], escape(_short(s["a"])), escape(_short(s["b"])), escape(s["note"]))
         console.print(table)
     else:
         p("settings: none of the recorded settings differ")
