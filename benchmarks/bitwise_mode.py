@@ -38,8 +38,10 @@ and, last, one JSON line with every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,11 +74,16 @@ def run_job(workdir: Path, tag: str, world_size: int, overrides: list[str], expe
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
+    # its own session, so that a timeout ends the launcher and the rank processes it started (one group)
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise RunFailed(f"{' '.join(cmd)}\ntimed out after {timeout:.0f} s\n--- stderr tail ---\n{_tail(out)}")
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RunFailed(f"{' '.join(cmd)}\ntimed out after {timeout:.0f} s\n--- stderr tail ---\n{_tail(stderr)}")
     wall = time.perf_counter() - t0
     results_path = run_dir / "results.json"
     problem = None
@@ -95,8 +102,8 @@ def run_job(workdir: Path, tag: str, world_size: int, overrides: list[str], expe
         elif not res["throughput"].get("images_per_s"):
             problem = "no throughput.images_per_s"
     if problem is not None:
-        raise RunFailed(f"{' '.join(cmd)}\n{problem}\n--- stderr tail ---\n{_tail(proc.stderr)}"
-                        f"\n--- stdout tail ---\n{_tail(proc.stdout, 15)}")
+        raise RunFailed(f"{' '.join(cmd)}\n{problem}\n--- stderr tail ---\n{_tail(stderr)}"
+                        f"\n--- stdout tail ---\n{_tail(stdout, 15)}")
     res["_wall_s"] = wall
     return res
 
