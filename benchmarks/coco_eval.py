@@ -71,8 +71,8 @@ def disteval_worker(gt_path: str, dt_path: str, iou_type: str) -> dict:
     from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
     from disteval.data.coco import load_detections, load_ground_truth
     from disteval.data.sharding import shard_bounds
-    from disteval.engine import synchronise
-    from disteval.metrics import SampleIdCoverage
+    from disteval.metrics.evaluator import Evaluator
+    from disteval.sync import synchronise
     from disteval.metrics.coco_eval import STAT_NAMES as NAMES
     from disteval.metrics.detection import CocoDetectionMetric
 
@@ -94,9 +94,9 @@ def disteval_worker(gt_path: str, dt_path: str, iou_type: str) -> dict:
         images = np.arange(start, end)
         metric = CocoDetectionMetric(gt, iou_type)
         metric.add_detections(images, dets.select(images))
-        coverage = SampleIdCoverage()
-        coverage.update(torch.from_numpy(images))
-        synchronise(metric, coverage, comm, [0.0])
+        ev = Evaluator(metric)
+        ev.coverage.update(torch.from_numpy(images))
+        synchronise(ev, comm, {})
         stats = None
         if env.rank == 0:
             out = metric.compute()

@@ -13,7 +13,7 @@ not counted as sync), and the naive/one-shot wall-time ratio, all measured in th
 naive: after every batch, one all_reduce of that batch's [count, top-1 correct, top-5 correct] (what
 per-batch-synchronising evaluators do), plus the end-of-run state sync; ranks with fewer batches issue the
 missing all_reduces so the collectives match. one-shot: no collective until the end, then
-``disteval.engine.synchronise`` (one all_reduce per dtype + two small gathers).
+``disteval.sync.synchronise`` (one all_reduce per dtype + two small gathers).
 """
 from __future__ import annotations
 
@@ -49,10 +49,13 @@ def bench_worker(job: dict, repeats: int) -> dict:
     from omegaconf import OmegaConf
 
     from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
-    from disteval.data import build_dataset, shard_bounds
-    from disteval.engine import build_metric, evaluate_shard, synchronise
-    from disteval.metrics import SampleIdCoverage
+    from disteval.common.ranges import num_batches
+    from disteval.data import build_dataset
+    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.metrics.evaluator import Evaluator
     from disteval.models import build_model, resolve_num_classes
+    from disteval.sync import synchronise
+    from disteval.tasks import resolve_task
 
     cfg = OmegaConf.create(job)
     env = RankEnv.from_env()
@@ -65,18 +68,19 @@ def bench_worker(job: dict, repeats: int) -> dict:
         model = build_model(cfg.model, num_classes)
         load_s = time.perf_counter() - t_load
         bs = cfg.data.batch_size
-        max_batches = max(-(-(e - s) // bs) for s, e in (shard_bounds(len(dataset), env.world_size, r)
-                                                       for r in range(env.world_size)))
+        max_batches = -(-num_batches(len(dataset), bs) // env.world_size)  # batch-aligned shards
+        task = resolve_task(cfg)(cfg)
         results = {"naive": [], "oneshot": []}
         for _ in range(repeats):
             for mode in ("naive", "oneshot"):
                 comm = Communicator()
-                metric, coverage = build_metric(cfg, num_classes), SampleIdCoverage()
+                ev = Evaluator(task.metric())
+                metric = ev.metric
                 seen = {"prev": torch.zeros(3, dtype=torch.int64), "seconds": 0.0}
 
                 def per_batch(batches: int, samples: int) -> None:
                     s = metric.states()
-                    now = torch.cat([s["count"][0].reshape(1), s["correct_topk"][0]])
+                    now = torch.cat([s["classification.count"][0].reshape(1), s["classification.correct_topk"][0]])
                     delta = now - seen["prev"]
                     seen["prev"] = now
                     t = time.perf_counter()
@@ -85,20 +89,20 @@ def bench_worker(job: dict, repeats: int) -> dict:
 
                 dist.barrier()
                 t0 = time.perf_counter()
-                out = evaluate_shard(model, dataset, metric, coverage, rank=env.rank, world_size=env.world_size,
-                                     batch_size=bs, on_batch=per_batch if mode == "naive" else None)
+                hooks = [CallbackHook(lambda p: per_batch(p.batches, p.samples))] if mode == "naive" else []
+                out = evaluate_shard(model, dataset, ev, ShardSpec(env.rank, env.world_size, bs), hooks=hooks)
                 if mode == "naive":
                     for _ in range(max_batches - out.batches):
                         per_batch(0, 0)
                 t_wait = time.perf_counter()
                 dist.barrier()  # not counted: separates waiting for the slowest rank from the sync itself
                 t_sync = time.perf_counter()
-                synchronise(metric, coverage, comm, [float(env.rank)])
+                synchronise(ev, comm, {"rank": env.rank})
                 t_end = time.perf_counter()
                 sync_s = (t_end - t_sync) + seen["seconds"]
                 results[mode].append({"wall": t_end - t0, "sync": sync_s, "wait": t_sync - t_wait, "load": load_s,
                                       "collectives": comm.collectives,
-                                      "top1_count": int(metric.states()["correct_topk"][0][0])})
+                                      "top1_count": int(metric.states()["classification.correct_topk"][0][0])})
         return results
     finally:
         destroy_process_group()

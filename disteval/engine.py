@@ -76,7 +76,8 @@ class RankRun:
         cfg = self.ctx.cfg
         return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
-                         collate_fn=self.task.collate_fn())
+                         collate_fn=self.task.collate_fn(),
+                         pin_memory=self.ctx.device.type == "cuda" and self.task.collate_fn() is None)
 
     def _resume(self, ev: Evaluator) -> int:
         ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
@@ -124,7 +125,7 @@ class RankRun:
         with display:
             with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states
                 progress = evaluate_shard(self.model, self.dataset, ev, self._spec(skip), step=self._step(),
-                                          hooks=self._hooks(display, guard), device=ctx.device)
+                                          hooks=self._hooks(display, guard))
             ctx.status.update(phase="sync", samples_done=progress.samples, batches_done=progress.batches, force=True)
             if self.watch:
                 self.watch.wait_all_in_sync()

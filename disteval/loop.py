@@ -26,7 +26,8 @@ class ShardSpec:
     rank, world_size: the data-parallel rank and size. batch_size: B. aligned: batch-aligned shards (whole
     global batches; ``eval.mode=bitwise``) or sample-even ones (``fast``). sampler: ``data.sampler``
     (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
-    worker processes. collate_fn: the task's, or None for torch's default.
+    worker processes. collate_fn: the task's, or None for torch's default. pin_memory: page-locked host
+    batches (CUDA devices).
     """
 
     rank: int
@@ -37,6 +38,7 @@ class ShardSpec:
     skip: int = 0
     num_workers: int = 0
     collate_fn: Callable | None = None
+    pin_memory: bool = False
 
 
 @dataclass
@@ -75,14 +77,14 @@ class LoopHook:
         """Once, after the last batch."""
 
 
-def make_loader(dataset: Dataset, spec: ShardSpec, device: torch.device) -> tuple[DataLoader, Any]:
+def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
     """The DataLoader over this rank's shard and its sampler. Loader workers are forked (spawned ones would
-    re-import torch, seconds each); pinned memory on CUDA."""
+    re-import torch, seconds each)."""
     sampler = build_sampler(spec.sampler, len(dataset), spec.world_size, spec.rank, skip=spec.skip,
                             batch_size=spec.batch_size if spec.aligned else None)
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
-                        pin_memory=device.type == "cuda" and spec.collate_fn is None, persistent_workers=False,
+                        pin_memory=spec.pin_memory, persistent_workers=False,
                         multiprocessing_context=context, collate_fn=spec.collate_fn)
     return loader, sampler
 
@@ -120,18 +122,16 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
 
 
 def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: ShardSpec, *,
-                   step: Callable[[Any, Any], Any] | None = None, hooks: Sequence[LoopHook] = (),
-                   device: torch.device | str = "cpu") -> LoopProgress:
+                   step: Callable[[Any, Any], Any] | None = None, hooks: Sequence[LoopHook] = ()) -> LoopProgress:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``) into
-    ``evaluator``. ``step`` defaults to ``model(inputs.to(device)).float()``. Returns the LoopProgress
-    (``samples`` includes ``spec.skip``)."""
-    device = torch.device(device)
-    loader, sampler = make_loader(dataset, spec, device)
+    ``evaluator``. ``step(model, inputs) -> outputs`` defaults to ``model(inputs).float()`` (CPU). Returns
+    the LoopProgress (``samples`` includes ``spec.skip``)."""
+    loader, sampler = make_loader(dataset, spec)
     start, end = sampler_span(sampler)
     first = getattr(sampler, "first_batch", None)
     progress = LoopProgress(start, end, first if first is not None else 0, planned=len(sampler) + spec.skip,
                             samples=spec.skip)
-    step = step or (lambda m, x: m(x.to(device, non_blocking=True)).float())
+    step = step or (lambda m, x: m(x).float())
     return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
 
 

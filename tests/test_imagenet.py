@@ -58,7 +58,8 @@ def test_corrupt_image_names_rank_sample_and_file(cli, tmp_path):
     torch.save(vit_tiny(num_classes=3, image_size=32).state_dict(), tmp_path / "vit.pt")
     proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.name=vit_tiny", "model.num_classes=3",
                         f"model.checkpoint={tmp_path / 'vit.pt'}", "data.resize_size=32", "data.crop_size=32",
-                        "eval.topk=[1]", "data.num_workers=2")  # the error crosses a DataLoader worker
+                        "eval.topk=[1]", "data.num_workers=2",  # the error crosses a DataLoader worker
+                        "data.batch_size=8")  # two global batches: rank 1 holds [8, 15)
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 1
     assert "rank 1 failed: DataError: cannot load sample id 13" in text and "3.jpg" in text
