@@ -117,3 +117,14 @@ def test_fault_drill_refused_before_ranks(monkeypatch):
     monkeypatch.setenv("DISTEVAL_FAULTS", "kill@2:batch=1")  # no rank 2 at dist.world_size=2
     with pytest.raises(ConfigError, match=r"DISTEVAL_FAULTS: kill aims at rank\(s\) \[2\]"):
         preflight(_compose())
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists the packages explicitly (conf/ is mapped): a new package folder must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for top in ("disteval", "launchers", "diagnostics",
+                                                                    "hydra_plugins")
+             for p in (REPO / top).rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -5,7 +5,6 @@ from disteval.metrics.collection import MetricCollection
 from disteval.metrics.ranking import RankingMetrics
 from disteval.metrics.coverage import CoverageReport, SampleIdCoverage, check_coverage, raise_if_incomplete
 
-METRIC_FAMILIES = ("classification", "ranking", "coco")
 
 __all__ = ["Metric", "ClassificationMetrics", "MetricCollection", "RankingMetrics", "SampleIdCoverage", "CoverageReport", "check_coverage",
-           "raise_if_incomplete", "METRIC_FAMILIES"]
+           "raise_if_incomplete"]

@@ -132,11 +132,14 @@ class ClassificationMetrics(Metric):
         return torch.stack([block[idx, start + idx], block.sum(1), partial], dim=1).to(torch.int64)
 
     def load_finished(self, name, rows):
+        """The gathered (tp, support, predicted) rows int64 [C, 3] of every slice, in class order. Raises
+        ValueError for another shape."""
         if rows.shape != (self.num_classes, 3):
             raise ValueError(f"finished confusion rows of shape {tuple(rows.shape)}, want ({self.num_classes}, 3)")
         self._class_counts = rows.to(torch.int64)
 
     def load_synced(self, states):
+        """As ``Metric.load_synced``; a full confusion matrix replaces earlier per-slice results."""
         if "confusion" in states:  # a full confusion matrix replaces earlier per-slice results
             self._class_counts = None
         super().load_synced(states)

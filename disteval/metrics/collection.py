@@ -17,13 +17,16 @@ class MetricCollection(Metric):
         self.metrics = dict(metrics)
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Each family's ``update`` with the same batch (shapes as the families document)."""
         for m in self.metrics.values():
             m.update(outputs, targets, sample_ids)
 
     def states(self):
+        """``{"family.state": (tensor, reduction)}`` of every family."""
         return {f"{family}.{name}": value for family, m in self.metrics.items() for name, value in m.states().items()}
 
     def specs(self):
+        """``{"family.state": StateSpec}`` of every family."""
         return {f"{family}.{name}": spec for family, m in self.metrics.items() for name, spec in m.specs().items()}
 
     def _route(self, name: str) -> tuple[Metric, str]:
@@ -31,43 +34,53 @@ class MetricCollection(Metric):
         return self.metrics[family], state
 
     def slice_partials(self, name, block, start, stop):
+        """Routed to the family of ``name`` (``family.state``)."""
         m, state = self._route(name)
         return m.slice_partials(state, block, start, stop)
 
     def finish_slice(self, name, block, start, stop, partial):
+        """Routed to the family of ``name``."""
         m, state = self._route(name)
         return m.finish_slice(state, block, start, stop, partial)
 
     def load_finished(self, name, rows):
+        """Routed to the family of ``name``."""
         m, state = self._route(name)
         m.load_finished(state, rows)
 
     def load_synced(self, states: dict[str, torch.Tensor]) -> None:
+        """Each family receives its namespaced states (prefix stripped). Raises as ``Metric.load_synced``."""
         for family, m in self.metrics.items():
             prefix = f"{family}."
             m.load_synced({k[len(prefix):]: v for k, v in states.items() if k.startswith(prefix)})
 
     def merge_state(self, others) -> None:
+        """Family by family, as ``Metric.merge_state``; ``others`` are collections of the same families."""
         others = list(others)
         for family, m in self.metrics.items():
             m.merge_state([o.metrics[family] for o in others])
 
     def float_sum_states(self):
+        """``{"family.state": tensor}`` of every family's float64 sum-states."""
         return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.float_sum_states().items()}
 
     def reset(self) -> None:
+        """Every family back to its initial states."""
         for m in self.metrics.values():
             m.reset()
 
     def snapshot(self):
+        """``{"family.state": copy}`` of every family's local states."""
         return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.snapshot().items()}
 
     def restore(self, snapshot) -> None:
+        """Every family from its part of a ``snapshot()``. Raises KeyError for a missing state."""
         for family, m in self.metrics.items():
             prefix = f"{family}."
             m.restore({k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)})
 
     def compute(self) -> dict:
+        """The families' results merged into one dict. Raises ValueError when two families report the same key."""
         out: dict = {}
         for m in self.metrics.values():
             result = m.compute()

@@ -60,6 +60,8 @@ class CocoDetectionMetric(Metric):
 
     @torch.no_grad()
     def update(self, outputs, targets, sample_ids) -> None:
+        """Queue one batch: ``outputs`` a list of B per-image dicts (see the class docstring), ``targets``
+        int64 [B] image indices, ``sample_ids`` int64 [B]. Matching happens at the next flush."""
         images = torch.as_tensor(targets).long().cpu().numpy()
         parts = []
         for img, out in zip(images, outputs):

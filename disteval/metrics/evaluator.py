@@ -4,7 +4,6 @@ on the world size), plus optionally a per-batch record (output digests and float
 ``python -m diagnostics compare``. Pure: synchronising it is ``disteval.sync``'s job."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -62,11 +61,6 @@ class Evaluator:
         for v in floats.values():
             v.zero_()
         return flat
-
-    @property
-    def width(self) -> int:
-        """Total number of float64 elements of the metric's float sum-states."""
-        return sum(math.prod(s) for s in self.float_shapes)
 
     def float_total(self) -> torch.Tensor:
         """float64 [k]: this rank's folded float partials (zeros when nothing was folded)."""
