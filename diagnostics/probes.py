@@ -34,7 +34,8 @@ def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
     from omegaconf import OmegaConf
 
     from disteval.comm import RankEnv, init_process_group
-    from disteval.data import build_dataset, shard_bounds
+    from disteval.common.ranges import batch_aligned_bounds, shard_bounds
+    from disteval.data import build_dataset
     from disteval.faults import FaultPlan
     from disteval.models import build_model, resolve_num_classes
 
@@ -75,8 +76,10 @@ def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
         num_classes = resolve_num_classes(cfg.model, data_classes)
         model = build_model(cfg.model, num_classes, seed=cfg.seed).eval()
         FaultPlan(env.rank).on_model(model)
-        start, end = shard_bounds(len(dataset), env.world_size, env.rank)
         bs = int(cfg.data.batch_size)
+        bitwise = str(cfg.eval.get("mode", "bitwise")) in ("bitwise", "Mode.bitwise")
+        start, end = (batch_aligned_bounds(len(dataset), bs, env.world_size, env.rank) if bitwise
+                      else shard_bounds(len(dataset), env.world_size, env.rank))
         idx = list(range(start, min(end, start + 2 * bs)))
         with torch.inference_mode():
             t = time.perf_counter()

@@ -258,3 +258,4 @@ def worker_entry(cfg_container: dict, run_dir: str) -> None:
     cfg = OmegaConf.create(cfg_container)
     run_rank(cfg, str(Path(run_dir)), RankEnv.from_env())
 
+

@@ -20,7 +20,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from conftest import REPO, load_results, run_disteval
-from disteval.data.sharding import shard_bounds
+from disteval.common.ranges import batch_aligned_bounds
 from disteval.models.reference_cnn import DigitsCNN
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def test_healthy_run_with_trials_and_probes(tmp_path):
     probes = report["runs"][0]["probes"]
     assert probes["rendezvous"]["missing"] == []
     assert probes["drift"]["max_abs_logit_diff"] == [0.0, 0.0, 0.0]  # same weights, same CPU: identical logits
-    assert probes["balance"]["samples"] == [e - s for s, e in (shard_bounds(540, 3, r) for r in range(3))]
+    assert probes["balance"]["samples"] == [e - s for s, e in (batch_aligned_bounds(540, 16, 3, r) for r in range(3))]
     assert probes["latency"]["suggested_timeout_s"] >= 30
 
 
@@ -204,7 +204,7 @@ def test_exclusion_is_decided_once_for_all_trials(tmp_path):
                         env={"DISTEVAL_FAULTS": "weights@2:std=0.5"})
     assert proc.returncode == 0, proc.stderr
     res = load_results(run)
-    start, end = shard_bounds(540, 3, 2)
+    start, end = res["per_rank"][2]["shard"]
     assert res["exclusion"]["ranks"] == [2] and res["metrics"]["num_samples"] == 540 - (end - start)
     assert res["trials"]["agree"]  # both trials evaluated the same kept samples
     logits, labels = digits_logits(CKPT)
@@ -277,7 +277,7 @@ def test_rank_with_different_weights_is_an_outlier(tmp_path):
     assert launch_external(run2, 3, [*QUICK, "model.checkpoint=weights.pt", "eval.exclude_outlier_ranks=true"],
                            cwds=cwds) == [0, 0, 0]
     res = load_results(run2)
-    start, end = shard_bounds(540, 3, 1)
+    start, end = res["per_rank"][1]["shard"]
     assert res["exclusion"]["ranks"] == [1] and res["exclusion"]["samples_left_out"] == end - start
     logits, labels = digits_logits(CKPT)
     keep = np.r_[0:start, end:len(labels)]
