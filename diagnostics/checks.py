@@ -447,6 +447,9 @@ def convergence_reference(run: Run, probes: dict | None) -> Finding:
         threads = differ.get("compute.threads", {}).get("b")
         remedy = Remedy(["eval.mode=bitwise"] + ([f"dist.threads={threads}"] if threads else []), "the reference's "
                         "mode (and threads): bitwise mode reproduces its metrics at any world size")
+    elif "dataset.batch_size" in differ:  # another batch composition: the forward may legitimately differ
+        remedy = Remedy([f"data.batch_size={differ['dataset.batch_size']['b']}"], "the reference's batch size: "
+                        "each sample is then forwarded in the same batch as in the reference")
     culprit = fwd["ranks"][0] if len(fwd["ranks"]) == 1 and (run.world_size or 1) > 1 else None
     return Finding("CONVERGENCE", "reference", "fail", f"the metrics differ from the reference {ref} (A = this run, "
                    f"B = the reference): {summary(cmp)}", ev, remedy, culprit)

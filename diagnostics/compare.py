@@ -290,8 +290,12 @@ def compare_settings(a: RunRecords, b: RunRecords) -> list[dict]:
             s["note"] = ("harmless: bitwise mode gives bit-identical metrics at every world size" if bitwise else
                          "in fast mode the world size changes the shards and the reduction order")
         elif s["setting"] == "config_digest":
+            shown = sorted(names - {"config_digest", "world_size"})
             s["note"] = "the resolved configurations differ" + (
-                " (the digest covers dist.world_size, which differs)" if "world_size" in names else "")
+                f" (in {', '.join(shown)} listed here" + (" and dist.world_size" if "world_size" in names else "")
+                + "; compare the runs' .hydra/config.yaml for the rest)" if shown else
+                " (dist.world_size differs; if that is all, the digest differs for it alone)" if "world_size" in names
+                else " (compare the runs' .hydra/config.yaml)")
         elif s["setting"].startswith(("versions.", "model.")) and not s["note"]:
             s["note"] = "other library versions can change the arithmetic" if s["setting"].startswith("versions.") \
                 else "another model or weights"

@@ -205,7 +205,8 @@ class RankRun:
         metrics, trial_summary = summarize_trials([o["metrics"] for o in outcomes], cfg.eval.trial_aggregate,
                                                   float(cfg.eval.clip_sigma))
         run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
-               "dataset": self.task.describe(), "coverage": last["coverage"], "comm": ctx.comm.stats(),
+               "dataset": self.task.describe(), "task": self.task.identity(),
+               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"], "comm": ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
                "timings": {"load": self.seconds_load, "sync": sum(o["seconds_sync"] for o in outcomes),
                            "total": time.perf_counter() - t_total}}

@@ -9,14 +9,14 @@ Layout (see DESIGN.md)::
 All writes are atomic: write a temporary file in the same directory, fsync, rename.
 
 results.json fields (schema_version 2, see DESIGN.md): schema_version, experiment, run_dir, world_size, mode
-(bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, model {name, weights,
-checkpoint}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
+(bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, task {name, class},
+model {name, weights, checkpoint, class}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
 host, shard [start, end), samples, batches, metrics {the task's local summary, e.g. accuracy, nll}, seconds
 {load, forward}, images_per_s}], timings {load, forward, sync, total} (seconds, rank 0's clock; forward =
 slowest rank), throughput {images_per_s}, comm {collectives, bytes, by_op, chunked, compression, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
-outliers, exclusion. Schema 2 (this version) added mode, compute and dataset.batch_size.
+outliers, exclusion. Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
 
 RUN_DIR/ranks/rank{r}/batches.json (``eval.record_batches``): per global batch [index, first sample id, size],
 one output digest per sample and the batch's float partials: what ``python -m diagnostics compare`` reads.
@@ -273,7 +273,7 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
     """Assemble the results.json record (see module docstring).
 
     ``run``: facts of the run: run_dir, world_size, num_samples, dataset (task's extra dataset fields, e.g.
-    num_classes), coverage (CoverageReport), comm (Communicator.stats()), backend, device, timings
+    num_classes), task {name, class}, model_class (the evaluated module's class name, None for replays), coverage (CoverageReport), comm (Communicator.stats()), backend, device, timings
     {load, total}, compute {mode, threads, deterministic, cudnn_benchmark}. ``rows``: every rank's row as
     synchronised. ``extra`` adds top-level fields (sampler, exact, trials, outliers, exclusion).
     Float NaN/inf become null."""
@@ -290,7 +290,9 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         "mode": run["compute"]["mode"],
         "dataset": {"name": cfg.data.name, "split": cfg.data.split, "root": cfg.data.root,
                     "num_samples": num_samples, "batch_size": int(cfg.data.batch_size), **run.get("dataset", {})},
-        "model": {"name": cfg.model.name, "weights": cfg.model.weights, "checkpoint": cfg.model.checkpoint},
+        "task": run.get("task"),
+        "model": {"name": cfg.model.name, "weights": cfg.model.weights, "checkpoint": cfg.model.checkpoint,
+                  "class": run.get("model_class")},
         "metrics": metrics,
         "coverage": run["coverage"].as_dict(),
         "per_rank": per_rank,

@@ -66,7 +66,10 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
         section = ([(k, _fmt(v)) for k, v in m.items() if isinstance(v, (int, float)) or v is None], [], [])
     rows, extra, notes = section
     mode = results.get("mode")
-    table = Table(title=f"disteval: {results['model']['name']} on {results['dataset']['name']} "
+    task = (results.get("task") or {}).get("name")
+    cls = results["model"].get("class")
+    table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']}"
+                        f"{' (' + cls + ')' if cls else ''} on {results['dataset']['name']} "
                         f"({results['dataset']['num_samples']} samples, world size {results['world_size']}"
                         f"{', ' + mode + ' mode' if mode else ''})")
     table.add_column("metric")

@@ -99,7 +99,7 @@ def test_failing_rank_is_reported_with_its_own_error(slurm, tmp_path):
     from test_cli import _fake_fashion
 
     _fake_fashion(tmp_path / "fm", [0, 1, 2, 3, 4, 5, 6, 7, 12, 9])
-    proc = _disteval("+experiment=fashion_mnist", f"data.root={tmp_path / 'fm'}", "dist.world_size=2",
+    proc = _disteval("+experiment=fashion_mnist", f"data.root={tmp_path / 'fm'}", "dist.world_size=2", "data.batch_size=4",
                      f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     text = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -62,6 +63,11 @@ class Task(abc.ABC):
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}
 
+    def identity(self) -> dict:
+        """results.json ``task``: ``name`` and ``class`` (``module:QualName``), so records of a plug-in task
+        say what ran."""
+        return {"name": self.name or type(self).__name__, "class": f"{type(self).__module__}:{type(self).__qualname__}"}
+
     def console_section(self, metrics: dict) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
         """How the console shows this task's metrics: (rows of (label, formatted value) for the main table,
         extra rich renderables such as per-category tables, notes printed after them)."""
@@ -107,6 +113,9 @@ def resolve_task(cfg: Any) -> type[Task]:
             raise ConfigError("eval.task", f"cannot import {choice!r}: {type(exc).__name__}: {exc}") from None
         if not (isinstance(cls, type) and issubclass(cls, Task)):
             raise ConfigError("eval.task", f"{choice!r} is not a disteval.tasks.Task subclass")
+        if inspect.isabstract(cls):
+            missing = sorted(getattr(cls, "__abstractmethods__", ()))
+            raise ConfigError("eval.task", f"{choice!r} is abstract: implement {missing}")
         return cls
     if choice != "auto":
         if choice not in _REGISTRY:
