@@ -43,8 +43,9 @@ class ShardSpec:
 
 @dataclass
 class LoopProgress:
-    """What the loop did so far: the shard ``[start, end)``, its first global batch, samples (including
-    resumed ones) and batches counted, and the seconds spent in the loop."""
+    """What the loop did so far: the shard ``[start, end)``, the number of its first batch (the global batch
+    index with batch-aligned shards, else a number unique to this rank), samples (including resumed ones) and
+    batches counted, and the seconds spent in the loop."""
 
     start: int
     end: int
@@ -129,8 +130,9 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
     loader, sampler = make_loader(dataset, spec)
     start, end = sampler_span(sampler)
     first = getattr(sampler, "first_batch", None)
-    progress = LoopProgress(start, end, first if first is not None else 0, planned=len(sampler) + spec.skip,
-                            samples=spec.skip)
+    if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
+        first = spec.rank * max(len(loader), 1)
+    progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
     step = step or (lambda m, x: m(x).float())
     return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
 
