@@ -17,7 +17,7 @@ from disteval.data import IndexedDataset
 from disteval.loop import ShardSpec, evaluate_shard
 from disteval.metrics.evaluator import Evaluator
 from disteval.sync import SyncPolicy, synchronise
-from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics, SampleIdCoverage,
+from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics,
                               check_coverage)
 from disteval.records import StatusWriter
 
