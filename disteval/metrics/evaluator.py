@@ -56,7 +56,7 @@ class Evaluator:
         floats = self.metric.float_sum_states()
         if not floats:
             return None
-        flat = torch.cat([v.detach().reshape(-1) for v in floats.values()]).cpu()
+        flat = torch.cat([v.detach().reshape(-1) for v in floats.values()])  # stays on the states' device
         self.tree.add(batch_index, flat)
         for v in floats.values():
             v.zero_()
@@ -87,5 +87,5 @@ class Evaluator:
         shapes of the partials' parts). One host transfer, at the end."""
         digests = torch.cat([d.cpu() for d in self._digests]).tolist() if self._digests else []
         return {"batches": [list(b) for b in self._log], "digests": digests,
-                "partials": [p.tolist() for p in self._partials],
+                "partials": torch.stack(self._partials).cpu().tolist() if self._partials else [],
                 "float_states": [[n, list(s)] for n, s in zip(self.float_names, self.float_shapes)]}

@@ -32,7 +32,7 @@ def _push(stack: list[Node], node: Node) -> None:
     stack.append(node)
     while len(stack) >= 2 and _siblings(stack[-2], stack[-1]):
         (level, index, a), (_, _, b) = stack[-2], stack[-1]
-        stack[-2:] = [(level + 1, index // 2, a + b)]
+        stack[-2:] = [(level + 1, index // 2, a + b.to(a.device))]
 
 
 def _start(node: Node) -> int:
@@ -86,5 +86,5 @@ class BatchTreeSum:
             _push(stack, node)
         total = torch.zeros(width, dtype=torch.float64)
         for i, (_, _, value) in enumerate(stack):
-            total = value.to(torch.float64).cpu().clone() if i == 0 else total + value.cpu()
-        return total
+            total = value.to(torch.float64).clone() if i == 0 else total + value.to(total.device)
+        return total.cpu()
