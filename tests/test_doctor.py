@@ -242,11 +242,12 @@ def test_nondeterministic_trials_disagree(tmp_path):
     proc = run_disteval(*QUICK, "dist.world_size=2", "eval.trials=3", run_dir=run, env={"DISTEVAL_FAULTS": "noise@*:std=3"})
     assert proc.returncode == 0, proc.stderr
     trials = load_results(run)["trials"]
-    values = np.array(trials["values"]["top1"])
+    # NLL, not top-1: a confident model's top-1 count can come out equal in three noisy trials by chance
+    values = np.array(trials["values"]["nll"])
     assert not trials["agree"] and len(set(values.tolist())) > 1
-    st = trials["stats"]["top1"]
+    st = trials["stats"]["nll"]
     assert st["median"] == np.median(values) and st["std"] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
-    assert load_results(run)["metrics"]["top1"] == np.median(values)  # eval.trial_aggregate=median by default
+    assert load_results(run)["metrics"]["nll"] == np.median(values)  # eval.trial_aggregate=median by default
     code, report = doctor(run)
     state, culprit, overrides, _ = verdict(report)
     # on CPU the forward is deterministic anyway: no config remedy, the finding names the model as the source
