@@ -32,7 +32,7 @@ from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.peers import PeerFailedError, PeerWatch
 from disteval.records import atomic_write_json, build_results, config_digest, rank_dir, read_status, write_results
-from disteval.resume import CHECKPOINT, PreemptionGuard, evaluator_state, load_checkpoint, load_evaluator_state, save_checkpoint
+from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 from disteval.sync import SyncPolicy, synchronise
 from disteval.tasks import resolve_task
 
@@ -73,17 +73,16 @@ class RankRun:
         return Evaluator(self.task.metric(), bitwise=self.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
 
     def _spec(self, skip: int) -> ShardSpec:
-        cfg = self.ctx.cfg
+        cfg, collate = self.ctx.cfg, self.task.collate_fn()
         return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
-                         collate_fn=self.task.collate_fn(),
-                         pin_memory=self.ctx.device.type == "cuda" and self.task.collate_fn() is None)
+                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None)
 
     def _resume(self, ev: Evaluator) -> int:
         ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
         if ckpt is None:
             return 0
-        load_evaluator_state(ev, ckpt["state"])
+        ev.load_state_dict(ckpt["state"])
         log.info("resuming from %s: %d of %d samples already counted", self.ckpt_path, ckpt["samples_done"],
                  self.shard[1] - self.shard[0])
         return int(ckpt["samples_done"])
@@ -119,7 +118,7 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
-        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, evaluator_state(ev), guard.progress.samples,
+        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, ev.state_dict(), guard.progress.samples,
                                                         self.ckpt_key)) if self.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)
         with display:
@@ -151,7 +150,7 @@ class RankRun:
                         mode=ctx.compute["mode"])
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "batches.json", log_)
         exclude = bool(cfg.eval.get("exclude_outlier_ranks"))
-        local = evaluator_state(ev) if exclude else None
+        local = ev.state_dict() if exclude else None
         synced = synchronise(ev, ctx.comm, row, self.policy)
         outliers = rank_outliers([r["local"].get("accuracy") for r in synced.rows], [r["samples"] for r in synced.rows],
                                  float(cfg.eval.get("outlier_z", 3.5)))
@@ -162,7 +161,7 @@ class RankRun:
         if exclude and drop:
             final = self.evaluator()
             if ctx.rank not in drop:
-                load_evaluator_state(final, local)
+                final.load_state_dict(local)
             kept_runs = synchronise(final, ctx.comm, row, self.policy).runs
         out = {"rows": synced.rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
                "batches": progress.batches, "seconds_forward": progress.seconds_forward,

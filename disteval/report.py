@@ -2,14 +2,14 @@
 It reads records (results.json as built by ``disteval.records``) and never builds them."""
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from disteval.common.formatting import fmt
 
 _console = Console()
 
@@ -50,12 +50,6 @@ class GlobalProgress:
             self._set(self.total)
 
 
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
 def print_metrics(results: dict, section: tuple | None = None, console: Console | None = None) -> None:
     """Print the metrics table (rich), the task's extra tables and notes, the per-rank table, robustness
     notes and where results.json went. ``section``: the task's ``console_section(metrics)`` = (rows of
@@ -63,7 +57,7 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     console = console or _console
     m = results["metrics"]
     if section is None:
-        section = ([(k, _fmt(v)) for k, v in m.items() if isinstance(v, (int, float)) or v is None], [], [])
+        section = ([(k, fmt(v)) for k, v in m.items() if isinstance(v, (int, float)) or v is None], [], [])
     rows, extra, notes = section
     mode = results.get("mode")
     task = (results.get("task") or {}).get("name")
@@ -77,7 +71,7 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     for label, value in rows:
         table.add_row(label, value)
     t, tp = results["timings"], results["throughput"]["images_per_s"]
-    table.add_row("forward throughput (images/s)", _fmt(tp) if tp is None else f"{tp:,.0f}")
+    table.add_row("forward throughput (images/s)", fmt(tp) if tp is None else f"{tp:,.0f}")
     table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
     table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
     for state, c in (results["comm"].get("compression") or {}).items():
@@ -105,7 +99,7 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
         for p in results["per_rank"]:
             ips = p["images_per_s"]
             ranks.add_row(str(p["rank"]), str(p["host"]), f"[{p['shard'][0]}, {p['shard'][1]})", str(p["samples"]),
-                          "n/a" if ips is None else f"{ips:,.0f}", _fmt(p["metrics"].get("accuracy")))
+                          "n/a" if ips is None else f"{ips:,.0f}", fmt(p["metrics"].get("accuracy")))
         console.print(ranks)
     _print_robustness(console, results)
     console.print(f"results: {Path(results['run_dir']) / 'results.json'}", soft_wrap=True)

@@ -26,7 +26,7 @@ CHECKPOINT = "checkpoint.pt"
 
 
 def save_checkpoint(path: Path, state: dict, samples_done: int, key: dict) -> None:
-    """Write the checkpoint atomically (temporary file + rename): ``state`` (``evaluator_state``), the
+    """Write the checkpoint atomically (temporary file + rename): ``state`` (``Evaluator.state_dict()``), the
     samples of the shard counted so far and the job ``key`` it belongs to."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp_checkpoint_", suffix=".pt")
@@ -124,22 +124,3 @@ class PreemptionGuard:
             self._pending = None
             self._save_and_chain(signum, frame)
 
-
-def evaluator_state(evaluator: Any) -> dict:
-    """A ``disteval.metrics.evaluator.Evaluator``'s accumulated state as plain tensors (for torch.save with
-    weights_only loading): metric states, coverage runs, and the float tree nodes of bitwise mode."""
-    nodes = evaluator.tree.nodes() if evaluator.tree is not None else []
-    width = evaluator.tree.width if evaluator.tree is not None else 0
-    return {"states": evaluator.metric.snapshot(), "runs": evaluator.coverage.runs(),
-            "tree_where": torch.tensor([[lvl, idx] for lvl, idx, _ in nodes], dtype=torch.int64).reshape(-1, 2),
-            "tree_values": torch.stack([v.cpu() for _, _, v in nodes]) if nodes else
-            torch.zeros((0, width), dtype=torch.float64)}
-
-
-def load_evaluator_state(evaluator: Any, state: dict) -> None:
-    """Restore ``evaluator_state``'s output into a fresh evaluator of the same job."""
-    evaluator.metric.restore(state["states"])
-    evaluator.coverage.update_runs(state["runs"])
-    if evaluator.tree is not None:
-        evaluator.tree.load([(int(w[0]), int(w[1]), v) for w, v in zip(state["tree_where"].tolist(),
-                                                                         state["tree_values"])])

@@ -69,9 +69,9 @@ def _pack(row: dict, runs: torch.Tensor, nodes: list, width: int) -> torch.Tenso
     text = torch.zeros(-(-len(data) // 8) * 8, dtype=torch.uint8)
     text[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     head = torch.tensor([len(data), runs.shape[0], len(nodes)], dtype=torch.int64)
-    where = torch.tensor([[lvl, idx] for lvl, idx, _ in nodes], dtype=torch.int64).reshape(-1)
-    values = (torch.stack([v.cpu() for _, _, v in nodes]) if nodes else torch.zeros((0, width), dtype=torch.float64))
-    return torch.cat([head, text.view(torch.int64), runs.reshape(-1), where, values.reshape(-1).view(torch.int64)])
+    where, values = BatchTreeSum.to_tensors(nodes, width)
+    return torch.cat([head, text.view(torch.int64), runs.reshape(-1), where.reshape(-1),
+                      values.reshape(-1).view(torch.int64)])
 
 
 def _unpack(part: torch.Tensor, width: int) -> tuple[dict, torch.Tensor, list]:
@@ -80,10 +80,10 @@ def _unpack(part: torch.Tensor, width: int) -> tuple[dict, torch.Tensor, list]:
     row = json.loads(bytes(part[3:pos].clone().view(torch.uint8)[:n_text].numpy().tobytes()).decode())
     runs = part[pos:pos + 2 * n_runs].reshape(-1, 2)
     pos += 2 * n_runs
-    where = part[pos:pos + 2 * n_nodes].reshape(-1, 2).tolist()
+    where = part[pos:pos + 2 * n_nodes].reshape(-1, 2)
     pos += 2 * n_nodes
     values = part[pos:pos + n_nodes * width].clone().view(torch.float64).reshape(n_nodes, width)
-    return row, runs, [(lvl, idx, values[i]) for i, (lvl, idx) in enumerate(where)]
+    return row, runs, BatchTreeSum.from_tensors(where, values)
 
 
 def synchronise(state: Evaluator, comm: Communicator, row: dict, policy: SyncPolicy | None = None) -> SyncResult:

@@ -14,7 +14,7 @@ from disteval.data import IndexedDataset
 from disteval.loop import CallbackHook, GuardHook, ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics, check_coverage
 from disteval.metrics.evaluator import Evaluator
-from disteval.resume import PreemptionGuard, evaluator_state, load_checkpoint, load_evaluator_state, save_checkpoint
+from disteval.resume import PreemptionGuard, load_checkpoint, save_checkpoint
 
 
 class Preempted(Exception):
@@ -44,7 +44,7 @@ def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch
         raise Preempted()
 
     signal.signal(signal.SIGUSR2, previous_handler)
-    guard = PreemptionGuard(lambda: save_checkpoint(path, evaluator_state(ev), guard.progress.samples, key))
+    guard = PreemptionGuard(lambda: save_checkpoint(path, ev.state_dict(), guard.progress.samples, key))
 
     def on_batch(progress):
         if progress.batches == 4 and where == "between batches":
@@ -69,7 +69,7 @@ def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch
     assert load_checkpoint(path, dict(key, world_size=4)) is None  # another job's checkpoint is ignored
 
     resumed = Evaluator(_metric())
-    load_evaluator_state(resumed, ckpt["state"])
+    resumed.load_state_dict(ckpt["state"])
     out = evaluate_shard(torch.nn.Identity(), data, resumed, ShardSpec(1, 2, 7, skip=ckpt["samples_done"]))
     assert out.samples == 98  # batch-aligned: rank 1 of 2 holds global batches 15..29, samples [105, 203)
     assert resumed.metric.compute() == want  # bit for bit, float sums included

@@ -51,7 +51,7 @@ class Metric(abc.ABC):
         self._states: dict[str, torch.Tensor] = {}
         self._reductions: dict[str, Reduction] = {}
         self._specs: dict[str, StateSpec] = {}
-        self._initial: dict[str, torch.Tensor] = {}
+        self._initial: dict[str, torch.Tensor | None] = {}
 
     def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum", *,
                   compressible: bool = False, sliceable: bool = False, root: bool = False) -> None:
@@ -66,7 +66,8 @@ class Metric(abc.ABC):
         if sliceable and (reduction != "sum" or value.ndim < 1):
             raise ValueError(f"state {name!r}: only sum-states with a row dimension can be declared sliceable")
         self._states[name] = value
-        self._initial[name] = value.detach().clone()
+        # zeros (the usual case) are re-created by reset(); only other initial values are kept
+        self._initial[name] = value.detach().clone() if bool(value.any()) else None
         self._reductions[name] = reduction
         if root and reduction != "gather":
             raise ValueError(f"state {name!r}: only gather-states can be gathered to the root rank only")
@@ -151,7 +152,8 @@ class Metric(abc.ABC):
     def reset(self) -> None:
         """Back to the declared initial states (queued work dropped), as after ``__init__``."""
         self._flush()
-        self.restore({k: v.clone() for k, v in self._initial.items()})
+        self.restore({k: v.clone() if v is not None else torch.zeros_like(self._states[k]) if
+                      self._reductions[k] == "sum" else self._states[k][:0].clone() for k, v in self._initial.items()})
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the local states ``{name: tensor}`` (queued work folded in first), to ``restore``

@@ -81,6 +81,21 @@ class Evaluator:
         if self.tree is not None and self.float_names:
             self.load_float_total(self.float_total())
 
+    def state_dict(self) -> dict:
+        """The accumulated state as plain tensors (checkpoints with weights_only loading, exclusion of ranks):
+        metric states, coverage runs and, in bitwise mode, the float tree nodes."""
+        tree = self.tree
+        where, values = BatchTreeSum.to_tensors(tree.nodes() if tree else [], tree.width if tree else 0)
+        return {"states": self.metric.snapshot(), "runs": self.coverage.runs(), "tree_where": where,
+                "tree_values": values}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()`` of an evaluator of the same job into this fresh one."""
+        self.metric.restore(state["states"])
+        self.coverage.update_runs(state["runs"])
+        if self.tree is not None:
+            self.tree.load(BatchTreeSum.from_tensors(state["tree_where"], state["tree_values"]))
+
     def batch_log(self) -> dict:
         """The per-batch record: ``batches`` [[index, first id, size]], ``digests`` (one int per sample, in
         batch order), ``partials`` (float partials per batch, bitwise mode) and ``float_states`` (names and

@@ -78,6 +78,20 @@ class BatchTreeSum:
         return self.combine(self._stack, self.width)
 
     @staticmethod
+    def to_tensors(nodes: list[Node], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nodes as plain tensors (to send or save): ``where`` int64 [n, 2] (level, index) and ``values``
+        float64 [n, width] on the CPU."""
+        where = torch.tensor([[lvl, idx] for lvl, idx, _ in nodes], dtype=torch.int64).reshape(-1, 2)
+        values = (torch.stack([v.cpu() for _, _, v in nodes]) if nodes
+                  else torch.zeros((0, width), dtype=torch.float64))
+        return where, values
+
+    @staticmethod
+    def from_tensors(where: torch.Tensor, values: torch.Tensor) -> list[Node]:
+        """The inverse of ``to_tensors``."""
+        return [(int(lvl), int(idx), values[i]) for i, (lvl, idx) in enumerate(where.tolist())]
+
+    @staticmethod
     def combine(nodes: Iterable[Node], width: int) -> torch.Tensor:
         """float64 [width]: the sum of nodes of disjoint batch sets (from any ranks, in any order): merged
         into the canonical tree, then the remaining nodes added left to right."""

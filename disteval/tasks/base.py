@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.utils.data import Dataset
 
+from disteval.common.formatting import fmt
 from disteval.errors import ConfigError
 from disteval.metrics.base import Metric
 
@@ -71,16 +72,7 @@ class Task(abc.ABC):
     def console_section(self, metrics: dict) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
         """How the console shows this task's metrics: (rows of (label, formatted value) for the main table,
         extra rich renderables such as per-category tables, notes printed after them)."""
-        return [(k, _fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None], [], []
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "n/a"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-fmt = _fmt
+        return [(k, fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None], [], []
 
 
 def register_task(cls: type[Task]) -> type[Task]:

@@ -11,7 +11,8 @@ from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
 from disteval.models import build_model, preflight_model, resolve_num_classes
-from disteval.tasks.base import Task, fmt, register_task
+from disteval.common.formatting import fmt
+from disteval.tasks.base import Task, register_task
 
 FAMILIES = ("classification", "ranking")
 _LABELS = {"auroc_macro": "AUROC (macro, one-vs-rest)", "ap_macro": "AP (macro, one-vs-rest)",

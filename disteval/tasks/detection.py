@@ -14,7 +14,8 @@ from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
 from disteval.errors import ConfigError
 from disteval.metrics.detection import CocoDetectionMetric
 from disteval.models.detection import build_detector, detection_models
-from disteval.tasks.base import Task, fmt, register_task
+from disteval.common.formatting import fmt
+from disteval.tasks.base import Task, register_task
 
 # COCOeval.summarize's 12 statistics, in its order and wording
 COCO_LABELS = {"AP": "AP @[IoU=0.50:0.95 | area=all | maxDets=100]", "AP50": "AP @[IoU=0.50 | area=all | maxDets=100]",
