@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from disteval.records import atomic_write_json, build_results, config_digest, ra
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 from disteval.sync import SyncPolicy, synchronise
 from disteval.tasks import resolve_task
+from disteval.watchdog import Watchdog, beat_interval, parent_to_watch, record_driver_death
 
 __all__ = ["PeerFailedError", "RankRun", "run_rank", "worker_entry"]
 
@@ -126,6 +128,7 @@ class RankRun:
                 progress = evaluate_shard(self.model, self.dataset, ev, self._spec(skip), step=self._step(),
                                           hooks=self._hooks(display, guard))
             ctx.status.update(phase="sync", samples_done=progress.samples, batches_done=progress.batches, force=True)
+            self.faults.on_sync()
             if self.watch:
                 self.watch.wait_all_in_sync()
             out = self._synchronise(ev, progress)
@@ -151,6 +154,7 @@ class RankRun:
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "batches.json", log_)
         exclude = bool(cfg.eval.get("exclude_outlier_ranks"))
         local = ev.state_dict() if exclude else None
+        ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
         synced = synchronise(ev, ctx.comm, row, self.policy)
         outliers = rank_outliers([r["local"].get("accuracy") for r in synced.rows], [r["samples"] for r in synced.rows],
                                  float(cfg.eval.get("outlier_z", 3.5)))
@@ -166,6 +170,7 @@ class RankRun:
         out = {"rows": synced.rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
                "batches": progress.batches, "seconds_forward": progress.seconds_forward,
                "seconds_sync": time.perf_counter() - t_sync, "metrics": None, "coverage": None}
+        ctx.status.update(in_collective=None)
         if ctx.rank == 0:
             cov = check_coverage(synced.runs, len(self.dataset))
             if self.sampler == "exact":
@@ -227,6 +232,11 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     for external launchers. Every exception is recorded in this rank's status.json (type, message,
     traceback) before it propagates."""
     ctx = open_records(cfg, run_dir, env)
+    timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s, cfg.eval.status_interval_s))
+    parent = parent_to_watch(env is not None)
+    watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, ctx.rank, ctx.world_size, timing, parent).start()
+    if threading.current_thread() is threading.main_thread():
+        record_driver_death(parent)
     try:
         t_total = time.perf_counter()
         connect(ctx, agree_run_dir)
@@ -242,10 +252,12 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
         run.ckpt_path.unlink(missing_ok=True)
         return results
     except BaseException as exc:
+        watchdog.stop()
         ctx.status.fail(exc)
         log.exception("rank %d failed", ctx.rank)
         raise
     finally:
+        watchdog.stop()
         destroy_process_group()
 
 

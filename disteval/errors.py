@@ -41,3 +41,21 @@ class RunInterrupted(DistevalError):
     def __init__(self, signal_name: str):
         self.signal_name = signal_name
         super().__init__(f"interrupted by {signal_name}: all ranks were stopped, no results were written")
+
+
+class DiskFullError(DistevalError, OSError):
+    """A record could not be written: no space left on the device (ENOSPC) or the disk quota is exhausted
+    (EDQUOT). ``path`` is the file being written, ``bytes_needed`` the size of what was being written (bytes),
+    ``free_bytes`` the space the filesystem reported free afterwards (bytes; None when unknown)."""
+
+    def __init__(self, path: str, bytes_needed: int, free_bytes: int | None, errno_name: str = "ENOSPC"):
+        self.path, self.bytes_needed, self.free_bytes, self.errno_name = str(path), int(bytes_needed), free_bytes, errno_name
+        what = "no space left on device" if errno_name == "ENOSPC" else "disk quota exceeded"
+        free = f", {free_bytes:,} bytes free on that filesystem" if free_bytes is not None else ""
+        super().__init__(f"{what} ({errno_name}) writing {path}: it needed {bytes_needed:,} bytes{free}; free space "
+                         "there or choose another hydra.run.dir")
+
+    def details(self) -> dict:
+        """The fields recorded beside the message in status.json / launch.json."""
+        return {"errno": self.errno_name, "path": self.path, "bytes_needed": self.bytes_needed,
+                "free_bytes": self.free_bytes}

@@ -9,6 +9,10 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
                                                    (a nondeterministic model: repeated trials disagree)
     DISTEVAL_FAULTS="weights@2:std=0.5"            rank 2 perturbs its weights by N(0, std^2) (a node that
                                                    loaded a different checkpoint)
+    DISTEVAL_FAULTS="stop@1:batch=2"               rank 1 stops itself (SIGSTOP) after its 2nd batch (a frozen
+                                                   process: alive, holding its sockets, doing nothing)
+    DISTEVAL_FAULTS="stop@0:sync=1"                rank 0 stops itself on reaching the final synchronisation
+    DISTEVAL_FAULTS="error@1:batch=3"              rank 1 raises RuntimeError after its 3rd batch
 
 Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
 ValueError naming the variable (``python -m disteval`` checks it before any rank starts). A ``batch`` index
@@ -26,7 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 ENV = "DISTEVAL_FAULTS"
-KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"}}
+KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"},
+         "stop": {"batch", "sync"}, "error": {"batch"}}
+_BATCH_KINDS = ("kill", "delay", "stop", "error")
 
 
 @dataclass(frozen=True)
@@ -111,15 +117,27 @@ class FaultPlan:
 
     def unfired(self) -> list[Fault]:
         """kill/delay faults whose batch this rank never reached (its shard had fewer batches)."""
-        return [f for f in self.faults if f.kind in ("kill", "delay") and f not in self._fired]
+        return [f for f in self.faults if f.kind in _BATCH_KINDS and f not in self._fired]
 
     def on_batch(self, batches_done: int) -> None:
-        """``kill``: SIGKILL this process after batch ``batch``; ``delay``: sleep ``seconds`` after it."""
+        """After batch ``batch``: ``kill`` SIGKILLs this process, ``stop`` SIGSTOPs it, ``delay`` sleeps
+        ``seconds``, ``error`` raises RuntimeError."""
         for f in self.faults:
-            if int(f.params.get("batch", 1)) != batches_done:
+            if f.kind not in _BATCH_KINDS or "sync" in f.params or int(f.params.get("batch", 1)) != batches_done:
                 continue
             self._fired.append(f)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif f.kind == "delay":
                 time.sleep(f.params.get("seconds", 10.0))
+            elif f.kind == "error":
+                raise RuntimeError(f"{ENV}: injected error after batch {batches_done} on rank {self.rank}")
+
+    def on_sync(self) -> None:
+        """``stop`` with ``sync=1``: SIGSTOP this process on reaching the final synchronisation."""
+        for f in self.faults:
+            if f.kind == "stop" and f.params.get("sync"):
+                self._fired.append(f)
+                os.kill(os.getpid(), signal.SIGSTOP)

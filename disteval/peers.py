@@ -13,8 +13,8 @@ class PeerFailedError(DistevalError):
     """Rank 0, waiting for its peers before the synchronisation, saw a peer fail or stall. A victim's error:
     ``blames`` is the peer's rank (the culprit)."""
 
-    def __init__(self, blames: int, message: str):
-        self.blames = blames
+    def __init__(self, blames: int, message: str, evidence: dict | None = None):
+        self.blames, self.evidence = blames, evidence
         super().__init__(message)
 
 
@@ -39,9 +39,12 @@ class PeerWatch:
                 err = s.get("error") or {}
                 raise PeerFailedError(r, f"rank {r} failed before the synchronisation: {err.get('type')}: "
                                          f"{err.get('message')}")
-            if s and s.get("phase") not in ("sync", "done") and now - float(s.get("t_update", now)) > self.timeout_s:
-                raise PeerFailedError(r, f"rank {r} stalled: its status has not changed for {self.timeout_s:g} s "
-                                         f"(communication.timeout_s) in {recorded_progress(s)}")
+            if s and s.get("phase") not in ("sync", "done") and \
+                    now - float(s.get("t_progress", s.get("t_update", now))) > self.timeout_s:
+                raise PeerFailedError(r, f"rank {r} stalled: its progress has not changed for {self.timeout_s:g} s "
+                                         f"(communication.timeout_s) in {recorded_progress(s)}",
+                                      {"rank": r, "phase": s.get("phase"), "t_progress": s.get("t_progress"),
+                                       "t_heartbeat": s.get("t_heartbeat")})
         missing = [r for r, s in enumerate(records) if s is None]
         if missing and now - self.started > self.timeout_s:
             raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")

@@ -29,7 +29,10 @@ import os
 import platform
 import re
 import socket
+import errno
+import shutil
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -38,6 +41,8 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+
+from disteval.errors import DiskFullError
 
 SCHEMA_VERSION = 2
 PHASES = ("init", "data", "forward", "sync", "done", "failed")
@@ -59,24 +64,45 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+_FULL = {errno.ENOSPC: "ENOSPC", errno.EDQUOT: "EDQUOT"}
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes free for unprivileged users on the filesystem holding ``path`` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename), with the
-    permissions of an ordinary new file (0666 less the umask; mkstemp alone would give 0600)."""
+    permissions of an ordinary new file (0666 less the umask; mkstemp alone would give 0600). Nothing is
+    left behind on failure. Raises DiskFullError (an OSError) naming the file and the bytes it needed when
+    the filesystem is full (ENOSPC) or the quota is exhausted (EDQUOT)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    data = text.encode("utf-8")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in _FULL:
+            raise DiskFullError(str(path), len(data), free_bytes(path.parent), _FULL[exc.errno]) from exc
         raise
 
 
@@ -120,12 +146,100 @@ def is_network_error(error: dict | None) -> bool:
         "RuntimeError", "DistError", None, "")
 
 
+def boot_id() -> str | None:
+    """This machine's boot id (Linux ``/proc/sys/kernel/random/boot_id``): a pid is only meaningful together
+    with the host and the boot it ran in. None where the file does not exist."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def pid_alive(pid: int | None) -> bool | None:
+    """Whether process ``pid`` exists on this machine (a zombie counts as gone); None when ``pid`` is None."""
+    if not pid:
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+RESERVE = ".disteval-reserve"
+RESERVE_BYTES = 1 << 20
+
+
+def make_reserve(run_dir: str | os.PathLike) -> None:
+    """Hold ``RESERVE_BYTES`` of real blocks in RUN_DIR/.disteval-reserve, released (``release_reserve``)
+    when a disk turns out full, so that the failure itself can still be recorded. Raises DiskFullError when
+    even the reserve does not fit."""
+    path = Path(run_dir) / RESERVE
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        if exc.errno in _FULL:
+            raise DiskFullError(str(path), RESERVE_BYTES, free_bytes(run_dir), _FULL[exc.errno]) from exc
+        raise
+
+
+def release_reserve(run_dir: str | os.PathLike) -> bool:
+    """Delete RUN_DIR/.disteval-reserve; True when there was one."""
+    try:
+        (Path(run_dir) / RESERVE).unlink()
+        return True
+    except OSError:
+        return False
+
+
+def write_record_or_reserve(path: Path, obj: Any, run_dir: str | os.PathLike) -> bool:
+    """Write a small JSON record atomically; on a full disk release the run's reserve and try once more.
+    Returns whether it was written (never raises OSError: records serve diagnosis)."""
+    for attempt in range(2):
+        try:
+            atomic_write_json(path, obj)
+            return True
+        except DiskFullError:
+            if attempt or not release_reserve(run_dir):
+                return False
+        except OSError:
+            return False
+    return False
+
+
+def error_record(exc: BaseException) -> dict:
+    """{type, message, traceback, time} of an exception, plus ``blames`` (a victim naming the culprit),
+    ``evidence`` and the details of a DiskFullError (errno, path, bytes_needed, free_bytes)."""
+    err = {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(traceback.format_exception(exc)),
+           "time": time.time()}
+    if getattr(exc, "blames", None) is not None:
+        err["blames"] = int(exc.blames)
+    if getattr(exc, "evidence", None):
+        err["evidence"] = exc.evidence
+    if isinstance(exc, DiskFullError):
+        err.update(exc.details())
+    return err
+
+
 @dataclass
 class StatusWriter:
-    """Writes ``RUN_DIR/ranks/rank{r}/status.json`` for one rank.
+    """Writes ``RUN_DIR/ranks/rank{r}/status.json`` for one rank (thread-safe).
 
     ``update(...)`` rewrites the file when the phase changes, when ``force`` is set, or when at least
-    ``interval_s`` seconds passed since the last write. Fields follow DESIGN.md's schema.
+    ``interval_s`` seconds passed since the last write, and stamps ``t_progress`` (the main thread did
+    something). ``beat()`` (a background thread, ``disteval.watchdog``) rewrites it with a new
+    ``t_heartbeat`` only: a process that is stopped or dead stops beating, one that waits in a collective
+    keeps beating. Fields follow DESIGN.md's schema plus ``t_heartbeat``, ``heartbeat_s``, ``t_progress``,
+    ``boot_id`` and ``in_collective`` ({op, since} while the rank waits in a blocking collective).
     """
 
     run_dir: str
@@ -137,41 +251,59 @@ class StatusWriter:
 
     def __post_init__(self) -> None:
         now = time.time()
+        self._lock = threading.RLock()
         self.record = {
             "schema_version": SCHEMA_VERSION,
             "rank": self.rank,
             "world_size": self.world_size,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "boot_id": boot_id(),
             "phase": "init",
             "t_start": now,
             "t_update": now,
+            "t_progress": now,
+            "t_heartbeat": now,
+            "heartbeat_s": None,
             "samples_done": 0,
             "samples_planned": None,
             "batches_done": 0,
             "last_collective": None,
+            "in_collective": None,
             "error": None,
         }
         self._write()
 
     def update(self, force: bool = False, **fields: Any) -> None:
         """Merge ``fields`` into the record; write it if the phase changed, ``force``, or the interval passed."""
-        phase_changed = "phase" in fields and fields["phase"] != self.record["phase"]
-        self.record.update(fields)
-        if force or phase_changed or time.time() - self._last_write >= self.interval_s:
-            self._write()
+        with self._lock:
+            phase_changed = "phase" in fields and fields["phase"] != self.record["phase"]
+            self.record.update(fields)
+            self.record["t_progress"] = time.time()
+            if force or phase_changed or time.time() - self._last_write >= self.interval_s:
+                self._write()
+
+    def beat(self) -> None:
+        """Write a fresh ``t_heartbeat`` (from the watchdog thread); a write error is left to the main thread."""
+        with self._lock:
+            if self.record["phase"] in ("done", "failed"):
+                return
+            self.record["t_heartbeat"] = time.time()
+            try:
+                self._write()
+            except OSError:
+                pass
 
     def fail(self, exc: BaseException) -> None:
-        """Record ``exc`` (type, message, traceback) and phase ``failed``."""
-        self.record["error"] = {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
-            "time": time.time(),
-        }
-        if getattr(exc, "blames", None) is not None:  # a victim that knows the culprit (e.g. a stalled peer)
-            self.record["error"]["blames"] = int(exc.blames)
-        self.update(force=True, phase="failed")
+        """Record ``exc`` (``error_record``) and phase ``failed``. Never raises OSError: on a full disk the run's
+        reserve is released for this record."""
+        with self._lock:
+            if self.record.get("error") and self.record["phase"] == "failed":
+                return  # the first error stands (a watchdog may have recorded it already)
+            self.record["error"] = error_record(exc)
+            self.record.update(phase="failed", t_update=time.time())
+            if write_record_or_reserve(status_path(self.run_dir, self.rank), self.record, self.run_dir):
+                self._last_write = time.time()
 
     def _write(self) -> None:
         self.record["t_update"] = time.time()
@@ -185,33 +317,70 @@ LAUNCH_RECORD = "launch.json"
 class LaunchRecord:
     """The driver's record of one ``python -m disteval`` invocation, ``RUN_DIR/launch.json`` (atomic):
     schema_version, argv (a command that reruns it), cwd, overrides (Hydra's task overrides), hydra_launcher,
-    world_size, master_addr, master_port, faults (DISTEVAL_FAULTS, if set), host, pid, t_start, and at the end outcome (running | ok |
-    config_error | failed | interrupted), exit_code, t_end and error {type, message, key (config errors), rank
-    (the culprit), deaths {rank: how the launcher saw it end}}. It is what diagnostics reads when no rank ever
-    started (a port in use, a bad config) and how it reruns the job."""
+    world_size, master_addr, master_port, faults (DISTEVAL_FAULTS, if set), host, pid, boot_id, t_start,
+    t_heartbeat (rewritten every ``HEARTBEAT_S`` seconds while the driver lives: a "running" record with a
+    stale heartbeat and a dead pid is a driver that died), and at the end outcome (running | ok | config_error |
+    failed | interrupted), exit_code, t_end and error {type, message, key (config errors), rank (the culprit),
+    deaths {rank: how the launcher saw it end}, and for a full disk errno, path, bytes_needed, free_bytes}.
+    It is what diagnostics reads when no rank ever started (a port in use, a bad config) and how it reruns
+    the job. While it runs, RUN_DIR/.disteval-reserve holds 1 MiB so that the final record can be written
+    even on a disk that filled up during the run."""
+
+    HEARTBEAT_S = 2.0
 
     def __init__(self, run_dir: str | os.PathLike, **fields: Any):
-        self.path = Path(run_dir) / LAUNCH_RECORD
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LAUNCH_RECORD
         self.record = {"schema_version": SCHEMA_VERSION, "host": socket.gethostname(), "pid": os.getpid(),
-                       "t_start": time.time(), "outcome": "running", **fields}
+                       "boot_id": boot_id(), "t_start": time.time(), "t_heartbeat": time.time(),
+                       "outcome": "running", **fields}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def write(self) -> None:
-        try:
-            atomic_write_json(self.path, json_safe(self.record))
-        except OSError:  # the records are for diagnosis; never turn a run's outcome into an I/O error
-            pass
+    def write(self) -> bool:
+        """Write the record (never raises OSError: the records are for diagnosis; a full disk releases the
+        run's reserve first). Returns whether it was written."""
+        with self._lock:
+            return write_record_or_reserve(self.path, json_safe(self.record), self.run_dir)
+
+    def start(self) -> None:
+        """Write the record, hold the disk reserve and start the heartbeat thread. Raises DiskFullError when
+        the run directory's filesystem cannot even hold the reserve."""
+        make_reserve(self.run_dir)
+        self.write()
+        self._thread = threading.Thread(target=self._beat, name="disteval-launch-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            self.record["t_heartbeat"] = time.time()
+            with self._lock:
+                try:
+                    atomic_write_json(self.path, json_safe(self.record))
+                except OSError:
+                    pass
 
     def finish(self, outcome: str, exit_code: int, error: BaseException | None = None) -> None:
-        """Record the outcome; ``error``'s type and message (and ``key``, ``rank``, ``deaths`` when it has them)."""
-        self.record.update(outcome=outcome, exit_code=exit_code, t_end=time.time())
+        """Record the outcome; ``error``'s type and message (and ``key``, ``rank``, ``deaths`` and a full disk's
+        details when it has them); stop the heartbeat; release the reserve."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.record.update(outcome=outcome, exit_code=exit_code, t_end=time.time(), t_heartbeat=time.time())
         if error is not None:
             err = {"type": type(error).__name__, "message": str(error)}
             for attr in ("key", "rank", "deaths"):
                 if getattr(error, attr, None) is not None:
                     value = getattr(error, attr)
                     err[attr] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+            details = error.details() if hasattr(error, "details") else getattr(error, "error_details", None)
+            if details:
+                err.update(details)
+                err["type"] = getattr(error, "error_type", None) or err["type"]
             self.record["error"] = err
         self.write()
+        release_reserve(self.run_dir)
 
 
 def json_safe(value: Any) -> Any:

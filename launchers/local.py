@@ -6,10 +6,16 @@ RankFailedError. No process outlives ``launch_local``.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
+import threading
+import time
 import uuid
 from typing import Any, Callable
 
 from disteval.errors import RankFailedError, RunInterrupted
+from disteval.records import pid_alive, read_status
 from launchers.culprit import find_culprit
 
 
@@ -25,6 +31,49 @@ def _death(failure) -> str:
     if message and not message.startswith(("<", "To enable traceback")):
         return f"exited with code {code} ({message.strip().splitlines()[-1][:300]})"
     return f"exited with code {code}"
+
+
+class Reaper:
+    """Bounds how long a failed run takes to stop. When a rank fails, torch's elastic agent sends SIGTERM to
+    the others and waits up to 30 s before SIGKILL (its ``_stop_workers`` does not use
+    ``LaunchConfig.shutdown_timeout``); a rank that is stopped (SIGSTOP) or frozen never acts on SIGTERM. This
+    thread reads the ranks' status records every ``poll_s`` seconds and, ``grace_s`` seconds after the first
+    rank recorded a failure or died, sends SIGKILL to the ranks of this run that are still alive (pids from
+    their status records, this host only)."""
+
+    def __init__(self, run_dir: str, world_size: int, grace_s: float = 3.0, poll_s: float = 0.25):
+        self.run_dir, self.world_size, self.grace_s, self.poll_s = run_dir, world_size, grace_s, poll_s
+        self.killed: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="disteval-reaper", daemon=True)
+
+    def __enter__(self) -> "Reaper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        failed_at = None
+        host = socket.gethostname()
+        while not self._stop.wait(self.poll_s):
+            records = [read_status(self.run_dir, r) for r in range(self.world_size)]
+            mine = [s for s in records if s and s.get("host") == host and s.get("pid")]
+            ended = any(s.get("phase") == "failed" or (s.get("phase") != "done" and not pid_alive(s["pid"]))
+                        for s in mine)
+            if ended and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at >= self.grace_s:
+                for s in mine:
+                    if s.get("phase") not in ("done",) and pid_alive(s["pid"]) and s["pid"] != os.getpid():
+                        try:
+                            os.kill(int(s["pid"]), signal.SIGKILL)
+                            self.killed.append(int(s["rank"]))
+                        except OSError:
+                            pass
+                return
 
 
 def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str,
@@ -44,13 +93,19 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn", shutdown_timeout=10)
+        monitor_interval=0.1, start_method="spawn", shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
     try:
-        return elastic_launch(config, entry)(*args)
+        with Reaper(run_dir, world_size):
+            return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items()}
         culprit = find_culprit(run_dir, world_size, deaths)
-        raise RankFailedError(culprit.rank, culprit.message, deaths) from None
+        error = RankFailedError(culprit.rank, culprit.message, deaths)
+        recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
+        if recorded.get("errno"):  # a full disk: keep its type and details for launch.json
+            error.error_type = recorded.get("type")
+            error.error_details = {k: recorded.get(k) for k in ("errno", "path", "bytes_needed", "free_bytes")}
+        raise error from None
     except SignalException as exc:  # the agent stopped every worker before re-raising
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
 
