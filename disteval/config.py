@@ -218,6 +218,9 @@ class DistConfig:
         """Raises ConfigError naming the ``dist.*`` key."""
         _at_least("dist.world_size", self.world_size, 1)
         _at_least("dist.threads", self.threads, 1, nullable=True)
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError("dist.master_port", f"must be a TCP port in 1..65535, or 0 to pick a free port, got "
+                              f"{self.master_port}")
         if self.launcher != "local":
             raise ConfigError("dist.launcher", f"unknown launcher {self.launcher!r}; available: ['local'] "
                               "(or start ranks yourself with torchrun)")
@@ -237,7 +240,9 @@ class EvalConfig:
     updates (and progress refreshes) of a rank. mode: bitwise | fast (see ``Mode``). task: ``auto`` (by
     data.name), a registered task name (classification, detection, replay) or ``package.module:ClassName``.
     record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
-    partials) for ``python -m diagnostics compare``."""
+    partials) for ``python -m diagnostics compare``. overwrite: a run directory that holds a finished run's
+    results.json is refused unless true; then the old records (results, ranks/, .hydra/, logs) are moved to
+    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``)."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -254,6 +259,7 @@ class EvalConfig:
     progress: bool = True
     iou_type: str = "bbox"
     save_predictions: bool = False
+    overwrite: bool = False
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""

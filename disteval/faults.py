@@ -13,6 +13,8 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
                                                    process: alive, holding its sockets, doing nothing)
     DISTEVAL_FAULTS="stop@0:sync=1"                rank 0 stops itself on reaching the final synchronisation
     DISTEVAL_FAULTS="error@1:batch=3"              rank 1 raises RuntimeError after its 3rd batch
+    DISTEVAL_FAULTS="diskfull@0:batch=2"           after its 2nd batch every record write of rank 0 fails with
+                                                   ENOSPC, as on a full disk (until the run's reserve is freed)
 
 Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
 ValueError naming the variable (``python -m disteval`` checks it before any rank starts). A ``batch`` index
@@ -29,10 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disteval.common.drills import simulate_full_disk
+
 ENV = "DISTEVAL_FAULTS"
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"},
-         "stop": {"batch", "sync"}, "error": {"batch"}}
-_BATCH_KINDS = ("kill", "delay", "stop", "error")
+         "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}}
+_BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif f.kind == "delay":
                 time.sleep(f.params.get("seconds", 10.0))
+            elif f.kind == "diskfull":
+                simulate_full_disk()
             elif f.kind == "error":
                 raise RuntimeError(f"{ENV}: injected error after batch {batches_done} on rank {self.rank}")
 

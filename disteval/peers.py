@@ -41,10 +41,15 @@ class PeerWatch:
                                          f"{err.get('message')}")
             if s and s.get("phase") not in ("sync", "done") and \
                     now - float(s.get("t_progress", s.get("t_update", now))) > self.timeout_s:
-                raise PeerFailedError(r, f"rank {r} stalled: its progress has not changed for {self.timeout_s:g} s "
-                                         f"(communication.timeout_s) in {recorded_progress(s)}",
+                beat_age = now - float(s.get("t_heartbeat") or now)
+                alive = ("its heartbeat is fresh: the process is alive but stuck (a hung data loader, a deadlock, or "
+                         "one step slower than the timeout)" if beat_age < max(3 * float(s.get("heartbeat_s") or 1.0), 2.0) else
+                         "its heartbeat stopped too: the process was stopped, froze or died silently")
+                raise PeerFailedError(r, f"rank {r} stopped making progress: its progress has not changed for "
+                                         f"{self.timeout_s:g} s (communication.timeout_s) in {recorded_progress(s)}; "
+                                         f"{alive}",
                                       {"rank": r, "phase": s.get("phase"), "t_progress": s.get("t_progress"),
-                                       "t_heartbeat": s.get("t_heartbeat")})
+                                       "t_heartbeat": s.get("t_heartbeat"), "heartbeat_age_s": round(beat_age, 1)})
         missing = [r for r, s in enumerate(records) if s is None]
         if missing and now - self.started > self.timeout_s:
             raise PeerFailedError(missing[0], f"rank {missing[0]} never wrote a status record")

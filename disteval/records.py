@@ -12,8 +12,10 @@ results.json fields (schema_version 2, see DESIGN.md): schema_version, experimen
 (bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, task {name, class},
 model {name, weights, checkpoint, class}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
 host, shard [start, end), samples, batches, metrics {the task's local summary, e.g. accuracy, nll}, seconds
-{load, forward}, images_per_s}], timings {load, forward, sync, total} (seconds, rank 0's clock; forward =
-slowest rank), throughput {images_per_s}, comm {collectives, bytes, by_op, chunked, compression, backend,
+{load, forward}, images_per_s}], timings {load, forward, sync, total, evaluation_s,
+process_wall_s} (seconds, rank 0's clock; forward = slowest rank; evaluation_s = total = rank 0's bootstrap,
+load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up included, to
+results.json written, null when unknown), throughput {images_per_s} (forward only), comm {collectives, bytes, by_op, chunked, compression, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion. Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from disteval.common.drills import disk_simulated_full, free_simulated_disk
 from disteval.errors import DiskFullError
 
 SCHEMA_VERSION = 2
@@ -56,15 +59,15 @@ _NETWORK_PATTERNS = re.compile(
 )
 _NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "PeerFailedError",
                   "ConnectionError", "ConnectionResetError", "BrokenPipeError", "TimeoutError",
-                  "SignalException", "KeyboardInterrupt"}  # interrupts come from outside the rank
-INTERRUPT_TYPES = {"SignalException", "KeyboardInterrupt"}
+                  "SignalException", "KeyboardInterrupt", "RunInterrupted"}  # interrupts come from outside
+INTERRUPT_TYPES = {"SignalException", "KeyboardInterrupt", "RunInterrupted"}
 
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-_FULL = {errno.ENOSPC: "ENOSPC", errno.EDQUOT: "EDQUOT"}
+FULL_ERRNOS = {errno.ENOSPC: "ENOSPC", errno.EDQUOT: "EDQUOT"}  # errno -> name of a full filesystem
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
@@ -87,6 +90,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     data = text.encode("utf-8")
     tmp = None
     try:
+        if disk_simulated_full():  # a fault drill
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_UMASK)
@@ -101,8 +106,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in _FULL:
-            raise DiskFullError(str(path), len(data), free_bytes(path.parent), _FULL[exc.errno]) from exc
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in FULL_ERRNOS:
+            raise DiskFullError(str(path), len(data), free_bytes(path.parent), FULL_ERRNOS[exc.errno]) from exc
         raise
 
 
@@ -187,13 +192,14 @@ def make_reserve(run_dir: str | os.PathLike) -> None:
             os.fsync(f.fileno())
     except OSError as exc:
         path.unlink(missing_ok=True)
-        if exc.errno in _FULL:
-            raise DiskFullError(str(path), RESERVE_BYTES, free_bytes(run_dir), _FULL[exc.errno]) from exc
+        if exc.errno in FULL_ERRNOS:
+            raise DiskFullError(str(path), RESERVE_BYTES, free_bytes(run_dir), FULL_ERRNOS[exc.errno]) from exc
         raise
 
 
 def release_reserve(run_dir: str | os.PathLike) -> bool:
     """Delete RUN_DIR/.disteval-reserve; True when there was one."""
+    free_simulated_disk()
     try:
         (Path(run_dir) / RESERVE).unlink()
         return True
@@ -419,12 +425,32 @@ def versions() -> dict:
     """Versions of the libraries that shape the numbers (python, torch, torchvision, numpy, hydra, disteval)."""
     import hydra
     import numpy
-    import torchvision
 
     from disteval import __version__
 
     return {"disteval": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "torchvision": torchvision.__version__, "hydra": hydra.__version__, "numpy": numpy.__version__}
+            "torchvision": _torchvision_version(), "hydra": hydra.__version__, "numpy": numpy.__version__}
+
+
+def _torchvision_version() -> str:
+    """``torchvision.__version__`` (e.g. 0.29.1+cu130, the CUDA build included, unlike the distribution's
+    metadata), read from its version.py when torchvision is not imported: importing it costs seconds."""
+    import importlib.util
+    import sys
+
+    if "torchvision" not in sys.modules:
+        spec = importlib.util.find_spec("torchvision")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            try:
+                found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]",
+                                  (Path(folder) / "version.py").read_text(encoding="utf-8"), re.MULTILINE)
+            except OSError:
+                continue
+            if found:
+                return found.group(1)
+    import torchvision
+
+    return torchvision.__version__
 
 
 def per_rank_record(row: dict, host: str | None) -> dict:

@@ -27,7 +27,10 @@ def _death(failure) -> str:
         name = None
     if code is not None and code < 0 and name and name != "<N/A>":
         return f"was killed by {name}"
-    message = str(getattr(failure, "message", "") or "")
+    message = getattr(failure, "message", "") or ""
+    if isinstance(message, dict):  # torch's error file: {"message": "Type: text", "extraInfo": {...}}
+        message = message.get("message") or ""
+    message = str(message)
     if message and not message.startswith(("<", "To enable traceback")):
         return f"exited with code {code} ({message.strip().splitlines()[-1][:300]})"
     return f"exited with code {code}"
@@ -108,6 +111,22 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         raise error from None
     except SignalException as exc:  # the agent stopped every worker before re-raising
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
+
+
+def run_single(entry: Callable[..., Any], args: tuple) -> Any:
+    """Run ``entry(*args)`` in this process (world size 1, no launcher) with a launch's signal semantics:
+    SIGTERM and SIGINT (Ctrl-C) raise RunInterrupted naming the signal, which the rank records as an
+    interrupt and ``python -m disteval`` turns into exit code 143 / 130. Main thread only."""
+    def on_term(signum, frame):
+        raise RunInterrupted(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return entry(*args)
+    except KeyboardInterrupt:
+        raise RunInterrupted("SIGINT") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def launch_local(cfg_container: dict, run_dir: str, world_size: int, master_addr: str = "127.0.0.1",

@@ -40,13 +40,19 @@ def cli(tmp_path):
     return _run
 
 
+# the one skip CI tolerates: a machine where even root may not mount a filesystem (an unprivileged container);
+# the same code path is then covered by an injected failure (tests/test_hardening.py)
+PRIVILEGE_SKIP = "no permission to mount"
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With DISTEVAL_FAIL_ON_SKIP=1 (set by .ci/run) a skipped test fails the session: CI installs every
-    input the tests need, so a skip there means a missing install step."""
+    input the tests need, so a skip there means a missing install step (except ``PRIVILEGE_SKIP``)."""
     if os.environ.get("DISTEVAL_FAIL_ON_SKIP") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = reporter.stats.get("skipped", []) if reporter else []
+    skipped = [r for r in (reporter.stats.get("skipped", []) if reporter else [])
+               if PRIVILEGE_SKIP not in str(getattr(r, "longrepr", ""))]
     if skipped:
         reporter.write_line(f"DISTEVAL_FAIL_ON_SKIP=1: {len(skipped)} test(s) skipped, failing the run", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

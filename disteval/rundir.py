@@ -1,0 +1,229 @@
+"""One run per run directory: an exclusive lock held by the driver, and what becomes of an earlier run's records.
+
+A run directory belongs to one live run at a time. ``claim_run_dir`` takes an exclusive ``flock`` on
+RUN_DIR/.disteval.lock (released by the kernel when the process ends, however it ends) and writes the
+holder into it: pid, host, boot id, start time and command. A second run into the same directory (the same
+``hydra.run.dir``, two sweep jobs resolving to one directory) is refused with ``RunDirBusy`` naming the
+directory and the holder, before Hydra writes anything there and before any rank starts. A lock file whose
+recorded holder is not marked released but whose flock is free was left by a process that died (kill -9, a
+crash, a lost node): it is taken over with a message naming the dead holder.
+
+Records of an earlier run in the directory are moved to RUN_DIR/previous/<time>-<pid>/ (results.json,
+launch.json, job.json, ranks/, .hydra/, disteval.log, doctor/): nothing is lost and no stale record is mistaken
+for the new run's. The results of a finished run (results.json) are only moved when the new run asks for it
+with ``eval.overwrite=true``; otherwise the new run is refused with ``RunDirOccupied``.
+
+The Hydra callback ``RunDirGuard`` (conf/config.yaml ``hydra.callbacks.run_dir_guard``) claims the directory in
+``on_run_start``, i.e. before Hydra writes .hydra/ and opens disteval.log, so that the earlier run's config is
+archived with its results instead of being overwritten; for a multirun it checks the sweep directory's jobs
+in ``on_multirun_start``. ``python -m disteval`` claims the job's directory again (a no-op when already held)
+for jobs that the callback did not see.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from disteval.errors import DiskFullError, DistevalError
+from disteval.records import FULL_ERRNOS, boot_id, free_bytes
+
+LOCK = ".disteval.lock"
+PREVIOUS = "previous"
+RECORDS = ("results.json", "launch.json", "job.json", "ranks", ".hydra", "disteval.log", "doctor",
+           ".disteval-reserve")
+
+_held: dict[str, int] = {}  # resolved run dir -> fd holding its flock (this process)
+
+
+class RunDirBusy(DistevalError):
+    """The run directory is locked by a live run. ``holder``: its lock record (pid, host, t_start, argv)."""
+
+    def __init__(self, run_dir: str, holder: dict):
+        self.run_dir, self.holder = run_dir, holder
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["t_start"])) if holder.get("t_start") else "?"
+        super().__init__(f"run directory {run_dir} is in use by another run: pid {holder.get('pid')} on host "
+                         f"{holder.get('host')}, started {since} ({' '.join(holder.get('argv') or [])[:200]}); "
+                         "choose another hydra.run.dir, or wait for that run to end")
+
+
+class RunDirOccupied(DistevalError):
+    """The run directory holds the results of a finished run and ``eval.overwrite`` is false."""
+
+    def __init__(self, run_dir: str, results: Path):
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(results.stat().st_mtime))
+        super().__init__(f"run directory {run_dir} holds the results of a finished run ({results.name}, written "
+                         f"{created}); refusing to overwrite them: choose another hydra.run.dir, or add "
+                         f"eval.overwrite=true to move the old records to {run_dir}/{PREVIOUS}/ first")
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        value = json.loads(os.read(fd, 1 << 16).decode() or "{}")
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_holder(fd: int, holder: dict) -> None:
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, (json.dumps(holder) + "\n").encode())
+    os.fsync(fd)
+
+
+def lock_run_dir(run_dir: str | os.PathLike) -> str | None:
+    """Take RUN_DIR's exclusive lock for this process (idempotent). Returns a message when a stale lock of a
+    dead process was taken over, else None. Raises RunDirBusy when a live run holds it."""
+    path = Path(run_dir).resolve()
+    if str(path) in _held:
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunDirBusy(str(path), holder) from None
+    old = _read_holder(fd)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "t_start": time.time(),
+              "argv": list(sys.argv), "released": False}
+    try:
+        _write_holder(fd, holder)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in FULL_ERRNOS:
+            raise DiskFullError(str(path / LOCK), len(json.dumps(holder)) + 1, free_bytes(path),
+                                FULL_ERRNOS[exc.errno]) from exc
+        raise
+    _held[str(path)] = fd
+    if old.get("pid") and not old.get("released"):
+        return (f"took over the lock of {path} from pid {old.get('pid')} on host {old.get('host')} (started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(old.get('t_start') or 0))}), which is no "
+                "longer running: it died without releasing it")
+    return None
+
+
+def release_run_dir(run_dir: str | os.PathLike) -> None:
+    """Mark RUN_DIR's lock released and drop it (the kernel drops it anyway when the process ends)."""
+    fd = _held.pop(str(Path(run_dir).resolve()), None)
+    if fd is None:
+        return
+    try:
+        holder = _read_holder(fd)
+        _write_holder(fd, dict(holder, released=True, t_end=time.time()))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def archive_previous_run(run_dir: str | os.PathLike, overwrite: bool) -> Path | None:
+    """Move an earlier run's records (``RECORDS``) to RUN_DIR/previous/<time>-<pid>/; returns that folder, or
+    None when there was nothing to move. Raises RunDirOccupied when results.json exists and not ``overwrite``."""
+    run_dir = Path(run_dir)
+    if (run_dir / "results.json").exists() and not overwrite:
+        raise RunDirOccupied(str(run_dir), run_dir / "results.json")
+    old = [run_dir / name for name in RECORDS if (run_dir / name).exists()]
+    if not old:
+        return None
+    dest = run_dir / PREVIOUS / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.mkdir(parents=True)
+    for p in old:
+        os.replace(p, dest / p.name)
+    return dest
+
+
+def claim_run_dir(run_dir: str | os.PathLike, overwrite: bool) -> list[str]:
+    """Lock RUN_DIR for this run and archive an earlier run's records (see the module docstring). Returns notes
+    for the console (a stale lock taken over, records moved). Idempotent within one process. Raises
+    RunDirBusy or RunDirOccupied (the lock is then released again)."""
+    key = str(Path(run_dir).resolve())
+    if key in _held:
+        return []
+    notes = [m for m in [lock_run_dir(run_dir)] if m]
+    try:
+        moved = archive_previous_run(run_dir, overwrite)
+    except BaseException:
+        release_run_dir(run_dir)
+        raise
+    if moved is not None:
+        notes.append(f"the records of an earlier run in {run_dir} were moved to {moved}")
+    return notes
+
+
+def is_locked(run_dir: str | os.PathLike) -> dict | None:
+    """The holder record when a live process holds RUN_DIR's lock, else None (no lock, released, or stale)."""
+    path = Path(run_dir) / LOCK
+    if not path.exists() or str(Path(run_dir).resolve()) in _held:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd) or {"pid": None}
+    finally:
+        os.close(fd)  # closing drops a lock this probe took
+    return None
+
+
+def _refuse(exc: BaseException) -> None:
+    """Print a refusal the way ``python -m disteval`` prints configuration errors and exit (2; 1 for a full
+    disk), before Hydra writes anything into the directory."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    full = isinstance(exc, OSError) and (isinstance(exc, DiskFullError) or not isinstance(exc, DistevalError))
+    head = "run failed[/] cannot claim the run directory:" if full else "configuration error[/]"
+    Console(stderr=True).print(f"[bold red]disteval: {head} {escape(str(exc))}", soft_wrap=True, highlight=False)
+    raise SystemExit(1 if full else 2)
+
+
+def _other_rank() -> bool:
+    """True in ranks 1..W-1 of an external launcher: rank 0 claims the directory that all ranks share."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and \
+        os.environ["RANK"] != "0"
+
+
+class RunDirGuard(Callback):
+    """Hydra callback (conf/config.yaml ``hydra.callbacks.run_dir_guard``): claim ``hydra.run.dir`` before Hydra
+    writes .hydra/ into it (``on_run_start``); before a multirun, refuse a sweep directory whose job folders
+    hold a live run, or finished results without ``eval.overwrite=true``, and with it archive them
+    (``on_multirun_start``)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if _other_rank():
+            return
+        overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
+        try:
+            for note in claim_run_dir(str(config.hydra.run.dir), overwrite):
+                print(f"disteval: warning: {note}", file=sys.stderr)
+        except (DistevalError, OSError) as exc:
+            _refuse(exc)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
+        jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name != PREVIOUS) if sweep.is_dir() else []
+        try:
+            for job in jobs:
+                holder = is_locked(job)
+                if holder is not None:
+                    raise RunDirBusy(str(job), holder)
+                if (job / "results.json").exists() and not overwrite:
+                    raise RunDirOccupied(str(job), job / "results.json")
+            for job in jobs:
+                moved = archive_previous_run(job, overwrite)
+                if moved is not None:
+                    print(f"disteval: warning: the records of an earlier run in {job} were moved to {moved}",
+                          file=sys.stderr)
+        except (DistevalError, OSError) as exc:
+            _refuse(exc)

@@ -1,0 +1,210 @@
+"""Fault drills on real runs (real processes, real signals, a real full filesystem where the test may mount
+one): stalls during the final synchronisation name the rank that stopped, not the one that waited; a killed
+driver leaves no rank behind and is diagnosed as such; one live run per run directory, finished results never
+overwritten without eval.overwrite=true; a full disk is named; SIGTERM and SIGINT exit as shells expect."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import load_results, run_disteval
+from disteval.records import pid_alive
+
+pytestmark = pytest.mark.slow
+QUICK = ("eval.progress=false", "data.batch_size=16")
+TIMEOUT_S = 5
+
+
+def doctor_json(run_dir: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], capture_output=True,
+                          text=True, timeout=120, cwd=run_dir.parent)
+    assert proc.stdout.strip(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)["runs"][0]
+
+
+def status(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
+
+
+def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """``python -m disteval`` in the background, as a user's shell would start it."""
+    return subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={run_dir}", *QUICK, *overrides],
+                            cwd=run_dir.parent, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_phase(run_dir: Path, ranks: range, phase: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if all(status(run_dir, r)["phase"] == phase for r in ranks):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"ranks {list(ranks)} never reached phase {phase!r} in {run_dir}")
+
+
+@pytest.mark.parametrize("faults,stopped,waiting_phase", [
+    ("stop@0:sync=1;delay@1:batch=1,seconds=3", 0, "sync"),     # rank 0 stopped in sync, rank 1 still in forward
+    ("stop@1:sync=1;delay@0:batch=1,seconds=3", 1, "sync"),     # the reverse
+    ("stop@1:batch=1", 1, "forward"),                            # stopped in forward while rank 0 waits in sync
+], ids=["rank0-stopped-in-sync", "rank1-stopped-in-sync", "rank1-stopped-in-forward"])
+def test_a_stopped_rank_is_named_not_the_rank_that_waited(tmp_path, faults, stopped, waiting_phase):
+    run = tmp_path / "run"
+    proc = run_disteval(*QUICK, "dist.world_size=2", f"communication.timeout_s={TIMEOUT_S}", run_dir=run,
+                        env={"DISTEVAL_FAULTS": faults}, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    waiter = 1 - stopped
+    launch = json.loads((run / "launch.json").read_text())
+    assert launch["outcome"] == "failed" and launch["error"]["rank"] == stopped, launch["error"]
+    assert f"rank {stopped} stopped making progress" in proc.stderr
+    s_stopped, s_waiter = status(run, stopped), status(run, waiter)
+    assert s_waiter["error"]["type"] == "PeerFailedError" and s_waiter["error"]["blames"] == stopped
+    assert s_waiter["error"]["evidence"]["rank"] == stopped
+    assert s_stopped["error"] is None and s_stopped["phase"] == ("sync" if "sync=1" in faults else "forward")
+    # no rank outlives the driver (the stopped one was killed), and the run ended about one timeout after the
+    # stopped rank's last heartbeat (the launcher's grace of 3 s included), not after the agent's 30 s
+    assert not pid_alive(s_stopped["pid"]) and not pid_alive(s_waiter["pid"])
+    assert launch["t_end"] - s_stopped["t_heartbeat"] < 3 * TIMEOUT_S + 5, launch["t_end"] - s_stopped["t_heartbeat"]
+    code, diag = doctor_json(run)
+    assert code == 1 and diag["culprit_rank"] == stopped, diag["verdict"]
+    assert diag["verdict"] is not None
+
+
+def test_killed_driver_leaves_no_rank_behind(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "dist.world_size=2", f"communication.timeout_s={TIMEOUT_S}",
+                 env={"DISTEVAL_FAULTS": "delay@*:batch=2,seconds=60"})
+    try:
+        wait_for_phase(run, range(2), "forward")
+        time.sleep(1.0)
+        proc.kill()  # SIGKILL: the driver cannot record anything
+        proc.communicate(timeout=30)
+        pids = [status(run, r)["pid"] for r in range(2)]
+        deadline = time.monotonic() + TIMEOUT_S + 5
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(pid_alive(p) for p in pids), "ranks outlived their killed driver"
+    finally:
+        proc.kill()
+    for r in range(2):
+        err = status(run, r)["error"]
+        assert err is not None and err["type"] == "DriverDiedError", err
+    launch = json.loads((run / "launch.json").read_text())
+    assert launch["outcome"] == "running" and launch["pid"] == proc.pid and launch.get("boot_id")
+    code, diag = doctor_json(run)
+    assert code == 1, diag
+    assert "driver" in diag["verdict"]["finding"] and "died" in diag["verdict"]["finding"], diag["verdict"]
+
+
+def test_one_live_run_per_run_directory_and_finished_results_are_kept(tmp_path):
+    run = tmp_path / "run"
+    a = start(run, "dist.world_size=1", env={"DISTEVAL_FAULTS": "delay@0:batch=2,seconds=8"})
+    wait_for_phase(run, range(1), "forward")
+    b = run_disteval(*QUICK, "dist.world_size=1", run_dir=run)  # same hydra.run.dir while A runs
+    assert b.returncode == 2, b.stderr[-2000:]
+    assert f"run directory {run} is in use by another run: pid {a.pid}" in " ".join(b.stderr.split())
+    out, err = a.communicate(timeout=240)
+    assert a.returncode == 0, err[-2000:]
+    first = load_results(run)
+    assert first["run_dir"] == str(run) and json.loads((run / "launch.json").read_text())["pid"] == a.pid
+    hydra_a = (run / ".hydra" / "overrides.yaml").read_text()
+
+    again = run_disteval(*QUICK, "dist.world_size=1", "data.limit=100", run_dir=run)  # a finished run's dir
+    assert again.returncode == 2 and "eval.overwrite=true" in again.stderr, again.stderr[-2000:]
+    assert load_results(run) == first and (run / ".hydra" / "overrides.yaml").read_text() == hydra_a
+
+    over = run_disteval(*QUICK, "dist.world_size=1", "data.limit=100", "eval.overwrite=true", run_dir=run)
+    assert over.returncode == 0, over.stderr[-2000:]
+    assert load_results(run)["dataset"]["num_samples"] == 100
+    kept = list((run / "previous").iterdir())
+    assert len(kept) == 1
+    assert json.loads((kept[0] / "results.json").read_text()) == first  # the old results, untouched
+    assert (kept[0] / ".hydra" / "overrides.yaml").read_text() == hydra_a  # with their own config
+    assert "data.limit=100" in (run / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_a_stale_lock_of_a_killed_driver_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    a = start(run, "dist.world_size=1", env={"DISTEVAL_FAULTS": "delay@0:batch=2,seconds=60"})
+    wait_for_phase(run, range(1), "forward")
+    a.kill()
+    a.communicate(timeout=30)
+    b = run_disteval(*QUICK, "dist.world_size=1", run_dir=run)
+    assert b.returncode == 0, b.stderr[-2000:]
+    text = " ".join(b.stderr.split())
+    assert f"took over the lock of {run} from pid {a.pid}" in text and "no longer running" in text
+    kept = list((run / "previous").iterdir())
+    assert json.loads((kept[0] / "launch.json").read_text())["outcome"] == "running"  # A's records, kept aside
+    assert load_results(run)["world_size"] == 1
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_signals_exit_as_shells_expect(tmp_path, sig, code):
+    run = tmp_path / "run"
+    proc = start(run, "dist.world_size=2", env={"DISTEVAL_FAULTS": "delay@*:batch=1,seconds=60"})
+    wait_for_phase(run, range(2), "forward")
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode == code
+    launch = json.loads((run / "launch.json").read_text())
+    assert launch["outcome"] == "interrupted" and launch["exit_code"] == code
+    assert not (run / "results.json").exists()
+
+
+def _check_full_disk_records(run: Path, returncode: int, stderr: str, ranks: list[int]) -> None:
+    assert returncode == 1, stderr[-2000:]
+    text = " ".join(stderr.split())
+    assert "no space left on device (ENOSPC)" in text and "{'message'" not in text
+    launch = json.loads((run / "launch.json").read_text())
+    err = launch["error"]
+    assert launch["outcome"] == "failed" and err["type"] == "DiskFullError" and err["errno"] == "ENOSPC"
+    assert err["rank"] in ranks and err["path"].startswith(str(run)) and err["bytes_needed"] > 0
+    assert err["path"] in text and f"{err['bytes_needed']:,} bytes" in text
+    assert not (run / "results.json").exists() and not list(run.glob("**/.results.json.*.tmp"))
+    code, diag = doctor_json(run)
+    assert code == 1 and "ENOSPC" in json.dumps(diag["verdict"]), diag["verdict"]
+
+
+def test_injected_full_disk_is_named(tmp_path):
+    run = tmp_path / "run"
+    proc = run_disteval(*QUICK, "dist.world_size=2", run_dir=run, env={"DISTEVAL_FAULTS": "diskfull@1:batch=2"})
+    _check_full_disk_records(run, proc.returncode, proc.stderr, [1])
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 16 MiB tmpfs (root may mount one: CI runs as root); skipped with the reason elsewhere."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"no permission to mount a small tmpfs here ({proc.stderr.strip()}); "
+                    "test_injected_full_disk_is_named covers the same path with an injected ENOSPC")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_full_disk_is_named(small_fs, tmp_path):
+    run = small_fs / "run"
+    proc = start(run, "dist.world_size=2", env={"DISTEVAL_FAULTS": "delay@*:batch=2,seconds=3"})
+    wait_for_phase(run, range(2), "forward")
+    with open(small_fs / "filler", "wb") as f:  # fill the filesystem while the ranks evaluate
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    out, err = proc.communicate(timeout=240)
+    failed = [r for r in range(2) if (status(run, r).get("error") or {}).get("type") == "DiskFullError"]
+    assert failed, [status(run, r).get("error") for r in range(2)]
+    _check_full_disk_records(run, proc.returncode, err, failed)
