@@ -1,7 +1,9 @@
 """``python -m disteval [overrides]``: compose the config with Hydra, validate, preflight, launch the ranks.
 
 Exit codes: 0 success; 1 the evaluation failed (a rank's error, named); 2 bad configuration or input found
-before any rank started; 130 interrupted (SIGINT/SIGTERM), all ranks stopped. Under an external ``torchrun`` (env:// variables present) this process runs as
+before any rank started, or a run directory in use by a live run / holding finished results without
+eval.overwrite=true; 130 interrupted by SIGINT, 143 by SIGTERM (128 + the signal's number, as shells report), all
+ranks stopped. Under an external ``torchrun`` (env:// variables present) this process runs as
 that rank instead of spawning ranks.
 """
 from __future__ import annotations
@@ -19,10 +21,14 @@ from rich.markup import escape
 
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from disteval import driverlog
 from disteval.comm.profiles import apply_profile
+from disteval.common import startup
 from disteval.config import DistevalConfig, conf_dir, register_schemas
-from disteval.errors import ConfigError, DistevalError, RankFailedError, RunInterrupted
-from disteval.records import LaunchRecord, archive_previous_records
+from disteval.errors import ConfigError, DiskFullError, DistevalError, RankFailedError, RunInterrupted
+from disteval.records import LaunchRecord
+from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
+                             release_run_dir)
 
 register_schemas()
 _err = Console(stderr=True)
@@ -60,12 +66,42 @@ def run(cfg: DictConfig) -> int:
     hc = HydraConfig.get()
     launcher = str(hc.runtime.choices.get("hydra/launcher") or "")
     if launcher.startswith("submitit") and hc.mode == RunMode.RUN:
-        _err.print(f"[bold red]disteval: configuration error[/] hydra/launcher={launcher} submits jobs only in "
-                   f"multirun mode: add -m (python -m disteval -m hydra/launcher={launcher} ...); without -m the "
-                   "job would run on this machine instead", soft_wrap=True, highlight=False)
-        return 2
+        # without -m: the one job goes through the same launcher, as a one-job sweep in the run directory
+        from launchers.submitit import submit_run
+
+        return submit_run(_hydra_main.__wrapped__)
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
+    if external_rank() in (None, 0):  # one run per run directory (disteval.rundir)
+        code = _claim(run_dir, bool(OmegaConf.select(cfg, "eval.overwrite", default=False)),
+                      SHARED_RECORDS if external else JOB_RECORDS)
+        if code:
+            return code
+    try:
+        return _run_claimed(cfg, hc, run_dir, external, launcher)
+    finally:
+        release_run_dir(run_dir)
+
+
+def _claim(run_dir: str, overwrite: bool, names: tuple[str, ...]) -> int:
+    """Claim the run directory (``disteval.rundir.claim_run_dir``); print its notes. Returns 0, or the exit
+    code of a refusal (2: busy or finished results without eval.overwrite, written nowhere near the other
+    run's records; 1: the disk is full)."""
+    try:
+        notes = claim_run_dir(run_dir, overwrite, names)
+    except (RunDirBusy, RunDirOccupied) as exc:
+        _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except OSError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] cannot claim the run directory: {escape(str(exc))}",
+                   soft_wrap=True, highlight=False)
+        return 1
+    for note in notes:
+        _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
+    return 0
+
+
+def _run_claimed(cfg: DictConfig, hc, run_dir: str, external: bool, launcher: str) -> int:
     record = None
     if not external:
         record = LaunchRecord(run_dir, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
@@ -79,31 +115,37 @@ def run(cfg: DictConfig) -> int:
             record.finish("failed", 1, exc)
         raise
     if record is not None:
-        outcome = {0: "ok", 2: "config_error", 130: "interrupted"}.get(code, "failed")
+        outcome = {0: "ok", 2: "config_error", 130: "interrupted", 143: "interrupted"}.get(code, "failed")
         record.finish(outcome, code, error)
     return code
 
 
 def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, BaseException | None]:
+    startup.job_start()  # this job's start, passed to its ranks (results.json timings.process_wall_s)
+    driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
     from disteval.engine import run_rank
     from disteval.preflight import preflight
-    from launchers.local import launch_local
+    from launchers.local import launch_local, run_single
 
     try:
         container = job_container(cfg)
         job = OmegaConf.create(container)
         notes: list[str] = []
         preflight(job, notes)
+        container["preflight_notes"] = job.preflight_notes = list(notes)  # also into results.json warnings
         if not external or RankEnv.from_env().rank == 0:
             for note in notes:
                 _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
         if not external:
-            archive_previous_records(run_dir)
-            record.write()
+            record.start()
+    except DiskFullError as exc:
+        _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 1, exc
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2, exc
+    driverlog.step(driverlog.launching(external, int(cfg.dist.world_size)))
     try:
         if external:
             env = RankEnv.from_env()
@@ -115,12 +157,12 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
             except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
                 raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
         elif cfg.dist.world_size == 1:
-            run_rank(job, run_dir, None)
+            run_single(run_rank, (job, run_dir, None))
         else:
             launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
-    except RunInterrupted as exc:
+    except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
-        return 130, exc
+        return (143 if exc.signal_name == "SIGTERM" else 130), exc
     except RankFailedError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
@@ -142,6 +184,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     global _composed
     _composed = True
     code = run(cfg)
+    driverlog.finished(HydraConfig.get().runtime.output_dir, code)
     if code:
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN and not str(hc.runtime.choices.get("hydra/launcher") or "").startswith("submitit"):
@@ -163,6 +206,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=SCHEMA_WARNING)
     for launcher in (SlurmLauncher, LocalLauncher):  # Hydra's scan misses them under an editable install
         Plugins.instance().register(launcher)
+    if not startup.info_request(sys.argv[1:]):
+        startup.progress("composing the config")
     _main()
 
 

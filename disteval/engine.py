@@ -24,6 +24,7 @@ from disteval import precision as prec
 from disteval import report
 from disteval.bootstrap import RankContext, apply_compute_settings, connect, log, open_records
 from disteval.comm import RankEnv, destroy_process_group
+from disteval.common import startup
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.errors import CoverageError
 from disteval.faults import FaultPlan
@@ -49,6 +50,7 @@ class RankRun:
         self.ctx, cfg = ctx, ctx.cfg
         t_load = time.perf_counter()
         ctx.status.update(phase="data")
+        _say(ctx, f"rank 0 of {ctx.world_size} up (process group joined); loading data and model")
         self.task = resolve_task(cfg)(cfg)
         self.dataset = self.task.dataset()
         self.model = self.task.model(ctx.device)
@@ -56,6 +58,7 @@ class RankRun:
         if self.faults and self.model is not None:
             self.faults.on_model(self.model)
         self.seconds_load = time.perf_counter() - t_load
+        _say(ctx, f"data and model loaded in {self.seconds_load:.1f} s; evaluating {len(self.dataset)} samples")
         self.bitwise = ctx.compute["mode"] == "bitwise"
         self.sampler = str(cfg.data.get("sampler", "exact"))
         self.policy = SyncPolicy.from_config(cfg.communication)
@@ -212,14 +215,45 @@ class RankRun:
                "dataset": self.task.describe(), "task": self.task.identity(),
                "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"], "comm": ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
-               "timings": {"load": self.seconds_load, "sync": sum(o["seconds_sync"] for o in outcomes),
-                           "total": time.perf_counter() - t_total}}
+               "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
-            "outliers": last["outliers"], "exclusion": last["exclusion"]})
+            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"])})
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
+        report.print_warnings(results.get("warnings") or [])
         return results
+
+
+    def _warnings(self, rows: list[dict]) -> list[str]:
+        """What the user should know although the run succeeded: the preflight's notes (an empty predictions
+        file, ineffective settings) and ranks that had nothing to evaluate (W > N, or fewer global batches
+        than ranks in bitwise mode)."""
+        out = [str(n) for n in (self.ctx.cfg.get("preflight_notes") or [])]
+        idle = [int(r["rank"]) for r in rows if int(r["samples"]) == 0]
+        if idle:
+            out.append(f"rank(s) {idle} of {self.ctx.world_size} had nothing to evaluate (N={len(self.dataset)} "
+                       f"samples{', in whole batches of ' + str(self.ctx.cfg.data.batch_size) if self.bitwise else ''}"
+                       f"): they only took part in the synchronisation; fewer ranks would do")
+        return out
+
+
+def _say(ctx: RankContext, message: str) -> None:
+    """A start-up progress line on the console (rank 0 only) and in this rank's log."""
+    log.info(message)
+    if ctx.rank == 0:
+        startup.progress(message)
+
+
+def _timings(load: float, sync: float, t_total: float) -> dict:
+    """results.json ``timings`` (seconds): load, sync; ``evaluation_s`` = rank 0's bootstrap, load, forward and
+    sync (from this rank's start after its imports, ``t_total`` on the perf_counter clock, to now), also kept as
+    ``total``; ``process_wall_s`` = the whole run's wall time, from the start of the job's driver process
+    (``python -m disteval``; a later job of a multirun in one process: its own start) to now, None when the
+    driver did not pass its start (``DISTEVAL_T0``)."""
+    evaluation = time.perf_counter() - t_total
+    return {"load": load, "sync": sync, "total": evaluation, "evaluation_s": evaluation,
+            "process_wall_s": startup.seconds_since_start()}
 
 
 def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
@@ -269,5 +303,6 @@ def worker_entry(cfg_container: dict, run_dir: str) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     cfg = OmegaConf.create(cfg_container)
     run_rank(cfg, str(Path(run_dir)), RankEnv.from_env())
+    startup.skip_teardown_at_exit()  # results and records are written; the launcher waits for the exit
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -34,6 +35,18 @@ def model_dtype_name(precision: Any) -> str:
     return str(getattr(precision.model_dtype, "value", precision.model_dtype))
 
 
+def use_deterministic_algorithms(warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=...)`` for eager evaluation. torch's function also
+    sets torch._inductor's config, and importing that (with torch._dynamo) costs about 1.5-2 s per process;
+    nothing here compiles, so unless inductor is already loaded only the eager switch is set (the same one
+    ``torch.are_deterministic_algorithms_enabled()`` reads)."""
+    set_eager = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_eager is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    else:
+        set_eager(True, warn_only=warn_only)
+
+
 def apply_global_switches(precision: Any, device: torch.device, bitwise: bool = False) -> None:
     """Set TF32 (off unless precision.tf32) and determinism (precision.deterministic, or ``bitwise`` for
     ``eval.mode=bitwise``: deterministic algorithms, cuDNN benchmark off, CUBLAS_WORKSPACE_CONFIG; in bitwise
@@ -43,7 +56,7 @@ def apply_global_switches(precision: Any, device: torch.device, bitwise: bool = 
     torch.backends.cudnn.allow_tf32 = bool(precision.tf32)
     if precision.deterministic or bitwise:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=not precision.deterministic)
+        use_deterministic_algorithms(warn_only=not precision.deterministic)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     name = model_dtype_name(precision)

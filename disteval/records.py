@@ -400,21 +400,6 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def archive_previous_records(run_dir: str | os.PathLike) -> Path | None:
-    """Before a run reuses ``run_dir`` (an explicit hydra.run.dir), move an earlier run's results.json and
-    ranks/ into ``run_dir/previous/<time>/`` so that nothing is lost and no stale record (another world
-    size's rank folders, an old results.json) is mistaken for this run's. Returns the archive folder."""
-    run_dir = Path(run_dir)
-    old = [p for p in (run_dir / "results.json", run_dir / "ranks", run_dir / LAUNCH_RECORD) if p.exists()]
-    if not old:
-        return None
-    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
-    dest.mkdir(parents=True)
-    for p in old:
-        os.replace(p, dest / p.name)
-    return dest
-
-
 def config_digest(cfg: Any) -> str:
     """sha256 of the resolved job config (canonical JSON), identifying what was evaluated."""
     container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -62,17 +63,18 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     mode = results.get("mode")
     task = (results.get("task") or {}).get("name")
     cls = results["model"].get("class")
-    table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']}"
-                        f"{' (' + cls + ')' if cls else ''} on {results['dataset']['name']} "
-                        f"({results['dataset']['num_samples']} samples, world size {results['world_size']}"
-                        f"{', ' + mode + ' mode' if mode else ''})")
+    table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']} on "
+                        f"{results['dataset']['name']}",  # one short line; the details go in the caption
+                  caption=f"{cls + ', ' if cls else ''}{results['dataset']['num_samples']} samples, world size "
+                          f"{results['world_size']}{', ' + mode + ' mode' if mode else ''}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, value in rows:
         table.add_row(label, value)
-    t, tp = results["timings"], results["throughput"]["images_per_s"]
-    table.add_row("forward throughput (images/s)", fmt(tp) if tp is None else f"{tp:,.0f}")
-    table.add_row("wall time (s)", f"{t['total']:.2f} (sync {t['sync'] * 1000:.1f} ms)")
+    tp = results["throughput"]["images_per_s"]
+    table.add_row("forward-only throughput (images/s)", fmt(tp) if tp is None else f"{tp:,.0f}")
+    for label, value in _wall_times(results["timings"]):
+        table.add_row(label, value)
     table.add_row("collectives", f"{results['comm']['collectives']} ({results['comm']['bytes']:,} bytes)")
     for state, c in (results["comm"].get("compression") or {}).items():
         if c["bytes_after"] != c["bytes_before"] or c["max_abs_error"]:
@@ -105,6 +107,18 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     console.print(f"results: {Path(results['run_dir']) / 'results.json'}", soft_wrap=True)
 
 
+def _wall_times(t: dict) -> list[tuple[str, str]]:
+    """The two labelled wall times of results.json ``timings`` (seconds): the evaluation (rank 0: process
+    group, data and model, forward, sync) and the whole run (from the driver's start, imports and rank
+    start-up included; absent in records written before it was kept)."""
+    evaluation = t.get("evaluation_s", t["total"])
+    rows = [("wall time: evaluation (s)",
+             f"{evaluation:.2f} (load {t['load']:.2f}, sync {t['sync'] * 1000:.1f} ms)")]
+    if t.get("process_wall_s") is not None:
+        rows.append(("wall time: whole run (s)", f"{t['process_wall_s']:.2f} (from the driver's start)"))
+    return rows
+
+
 def _print_robustness(console: Console, results: dict) -> None:
     """Trials (mean ± std, median / MAD, sigma-clipped mean), outlier ranks, excluded samples, inexact sampler."""
     trials = results.get("trials")
@@ -131,3 +145,10 @@ def _print_robustness(console: Console, results: dict) -> None:
         console.print(f"[bold red]inexact:[/] data.sampler={results.get('sampler')} left {cov['missing']} samples out "
                       f"and counted {cov['duplicated']} twice; these metrics differ from a single-process run "
                       "(data.sampler=exact)", soft_wrap=True)
+
+
+def print_warnings(warnings: list[str], console: Console | None = None) -> None:
+    """One ``warning:`` line per entry of results.json ``warnings`` (printed after the metrics table)."""
+    console = console or Console()
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True, highlight=False)

@@ -39,6 +39,10 @@ LOCK = ".disteval.lock"
 PREVIOUS = "previous"
 RECORDS = ("results.json", "launch.json", "job.json", "ranks", ".hydra", "disteval.log", "doctor",
            ".disteval-reserve")
+# what a claim from inside the job function may move: Hydra has written this job's .hydra/ and log by then
+JOB_RECORDS = tuple(r for r in RECORDS if r not in (".hydra", "disteval.log"))
+# under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/
+SHARED_RECORDS = ("results.json",)
 
 _held: dict[str, int] = {}  # resolved run dir -> fd holding its flock (this process)
 
@@ -126,13 +130,13 @@ def release_run_dir(run_dir: str | os.PathLike) -> None:
     os.close(fd)
 
 
-def archive_previous_run(run_dir: str | os.PathLike, overwrite: bool) -> Path | None:
-    """Move an earlier run's records (``RECORDS``) to RUN_DIR/previous/<time>-<pid>/; returns that folder, or
+def archive_previous_run(run_dir: str | os.PathLike, overwrite: bool, names: tuple[str, ...] = RECORDS) -> Path | None:
+    """Move an earlier run's records (``names``) to RUN_DIR/previous/<time>-<pid>/; returns that folder, or
     None when there was nothing to move. Raises RunDirOccupied when results.json exists and not ``overwrite``."""
     run_dir = Path(run_dir)
     if (run_dir / "results.json").exists() and not overwrite:
         raise RunDirOccupied(str(run_dir), run_dir / "results.json")
-    old = [run_dir / name for name in RECORDS if (run_dir / name).exists()]
+    old = [run_dir / name for name in names if (run_dir / name).exists()]
     if not old:
         return None
     dest = run_dir / PREVIOUS / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -142,16 +146,21 @@ def archive_previous_run(run_dir: str | os.PathLike, overwrite: bool) -> Path | 
     return dest
 
 
-def claim_run_dir(run_dir: str | os.PathLike, overwrite: bool) -> list[str]:
-    """Lock RUN_DIR for this run and archive an earlier run's records (see the module docstring). Returns notes
-    for the console (a stale lock taken over, records moved). Idempotent within one process. Raises
-    RunDirBusy or RunDirOccupied (the lock is then released again)."""
+def claim_run_dir(run_dir: str | os.PathLike, overwrite: bool, names: tuple[str, ...] = RECORDS) -> list[str]:
+    """Lock RUN_DIR for this run and move an earlier run's records (``names``) aside (see the module
+    docstring). Returns notes for the console (a stale lock taken over, records moved). Idempotent within one
+    process. Raises RunDirBusy or RunDirOccupied (the lock is then released again).
+
+    ``names``: ``RECORDS`` before Hydra writes into the directory (``RunDirGuard``); ``JOB_RECORDS`` from the job
+    function (this job's .hydra/ and log are already there); ``SHARED_RECORDS`` for rank 0 under an external
+    launcher (torchrun, SLURM tasks): the other ranks have written into the shared directory, and a requeued
+    job's checkpoints in ranks/ must stay, so only a finished run's results.json is refused or moved aside."""
     key = str(Path(run_dir).resolve())
     if key in _held:
         return []
     notes = [m for m in [lock_run_dir(run_dir)] if m]
     try:
-        moved = archive_previous_run(run_dir, overwrite)
+        moved = archive_previous_run(run_dir, overwrite, names)
     except BaseException:
         release_run_dir(run_dir)
         raise
@@ -187,10 +196,12 @@ def _refuse(exc: BaseException) -> None:
     raise SystemExit(1 if full else 2)
 
 
-def _other_rank() -> bool:
-    """True in ranks 1..W-1 of an external launcher: rank 0 claims the directory that all ranks share."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and \
-        os.environ["RANK"] != "0"
+def external_rank() -> int | None:
+    """This process's rank under an external launcher (env:// variables set), else None. Under one, rank 0
+    claims the directory that all ranks share (without archiving) and the other ranks do not claim."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"])
+    return None
 
 
 class RunDirGuard(Callback):
@@ -200,11 +211,12 @@ class RunDirGuard(Callback):
     (``on_multirun_start``)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        if _other_rank():
+        if external_rank() not in (None, 0):
             return
         overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
         try:
-            for note in claim_run_dir(str(config.hydra.run.dir), overwrite):
+            names = RECORDS if external_rank() is None else SHARED_RECORDS
+            for note in claim_run_dir(str(config.hydra.run.dir), overwrite, names):
                 print(f"disteval: warning: {note}", file=sys.stderr)
         except (DistevalError, OSError) as exc:
             _refuse(exc)

@@ -1,4 +1,6 @@
-"""SLURM (and local) job launching through submitit, for Hydra multiruns: one submitit task per rank.
+"""SLURM (and local) job launching through submitit, for Hydra multiruns and single runs: one submitit task per
+rank. Without ``-m`` (``python -m disteval hydra/launcher=submitit_slurm ...``) ``submit_run`` submits the one
+job through the same launcher, as a one-job sweep whose job directory is the run directory.
 
 Extends hydra-submitit-launcher 1.2.0 (same option names: partition, account, qos, nodes, gpus_per_node,
 cpus_per_task, mem_gb, timeout_min, signal_delay_s, max_num_timeout, setup, additional_parameters,
@@ -42,7 +44,12 @@ SCHEMA_WARNING = "(?s).*is validated against ConfigStore schema with the same na
 
 
 class JobFailed(Exception):
-    """A submitted job failed, was cancelled or timed out; the message names the job and the culprit."""
+    """A submitted job failed, was cancelled or timed out (or was refused before submission); the message names
+    the job and the culprit, ``state`` is the scheduler's final state (FAILED, CANCELLED, TIMEOUT, ..., REFUSED)."""
+
+    def __init__(self, message: str, state: str = "FAILED"):
+        super().__init__(message)
+        self.state = state
 
 
 def job_shape(world_size: int, ranks_per_node: int | None, gpus_per_node: int | None) -> tuple[int, int]:
@@ -62,6 +69,9 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
     """See the module docstring. ``_EXECUTOR`` is ``slurm`` or ``local`` in the subclasses."""
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> JobReturn:
+        """One task (rank) of a submitted job: the base launcher's task with the rank environment exported. Its
+        rank 0 locks the job directory without archiving anything (``disteval.rundir``): the driver archived an
+        earlier run's records before submitting (``RunDirGuard``)."""
         import warnings
 
         import submitit
@@ -92,12 +102,8 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
                 refused[i] = f"{type(exc).__name__}: {exc}"
                 continue
-            # a reused sweep directory: move the earlier results and records (and checkpoints) aside first
-            from disteval.records import archive_previous_records
-
-            job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-            archive_previous_records(job_dir)
-            (job_dir / "job.json").unlink(missing_ok=True)
+            # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
+            (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)
             groups.setdefault(shape, []).append(i)
         jobs: dict[int, Any] = {}
         for (nodes, per_node), members in groups.items():
@@ -127,7 +133,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         ret.overrides = list(cfg.hydra.overrides.task)
         ret.working_dir = str(run_dir)
         ret.status = JobStatus.FAILED
-        ret._return_value = JobFailed(msg)
+        ret._return_value = JobFailed(msg, state)
         _write_job_record(run_dir, job_id, state, msg, int(cfg.dist.world_size))
         return ret
 
@@ -154,6 +160,74 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                 msg = f"{what} failed: {cause}"
                 state = "FAILED"
             return self._failed(cfg, idx, str(job.job_id), state, msg)
+
+
+def submit_run(task_function) -> int:
+    """``python -m disteval hydra/launcher=submitit_* ...`` without ``-m`` (Hydra's RUN mode, inside the task
+    function ``task_function``): submit the one job through the same launcher as a one-job sweep whose job
+    directory is the run directory (hydra.run.dir, where Hydra already wrote .hydra/), wait for it, print its
+    metrics or its failure, and return the exit code: 0 completed, 1 failed (culprit rank named), cancelled or
+    timed out, 2 refused before submission (a configuration error). The job is composed in MULTIRUN mode, so its
+    ranks run as ranks (the external-launcher path) and never submit again. The driver's claim on the run
+    directory (``disteval.rundir``) is handed over: released before submission, taken by the job's rank 0."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.plugins import Plugins
+    from hydra.types import HydraContext, RunMode
+
+    from disteval.rundir import release_run_dir
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    overrides = [o for o in hc.overrides.hydra if not o.startswith("hydra.mode=")]
+    overrides += ["hydra.mode=MULTIRUN", f"hydra.sweep.dir={_quote(str(run_dir))}", "hydra.sweep.subdir=."]
+    loader = GlobalHydra.instance().config_loader()
+    config = loader.load_configuration(str(hc.job.config_name), [*overrides, *hc.overrides.task], RunMode.MULTIRUN)
+    launcher = Plugins.instance().instantiate_launcher(
+        hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks(config)), task_function=task_function,
+        config=config)
+    log.info("submitting this run as one %s job; its records go to %s",
+             "SLURM" if launcher._EXECUTOR == "slurm" else "submitit local", run_dir)
+    release_run_dir(run_dir)  # claimed by this driver (hydra.callbacks.run_dir_guard); the job's rank 0 claims it
+    ret = launcher.launch([list(hc.overrides.task)], initial_job_idx=0)[0]
+    return _report_run(ret, run_dir)
+
+
+def _quote(value: str) -> str:
+    """``value`` as a Hydra override value: single-quoted unless it is made of plain path characters."""
+    import re
+
+    if re.fullmatch(r"[\w./+@%-]+", value):
+        return value
+    # Hydra's quoted strings: backslashes are escaped only where they precede a quote (or the closing one)
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    return "'" + re.sub(r"(\\+)$", r"\1\1", escaped) + "'"
+
+
+def _report_run(ret: JobReturn, run_dir: Path) -> int:
+    """Print the outcome of ``submit_run``'s job as a local run prints its own (metrics table and results path,
+    or the failure with where its records are) and return the exit code."""
+    import json
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from disteval.report import print_metrics
+
+    if ret.status == JobStatus.COMPLETED:
+        print_metrics(json.loads((run_dir / "results.json").read_text()))
+        return 0
+    err = Console(stderr=True)
+    exc = ret._return_value
+    if getattr(exc, "state", None) == "REFUSED":
+        err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+    err.print(f"records: {run_dir}/job.json, {run_dir}/ranks/rank*/status.json and log.txt, submitit's logs in "
+              f"{run_dir}/.submitit/", soft_wrap=True, highlight=False)
+    err.print(f"diagnose: python -m diagnostics doctor {run_dir}", soft_wrap=True, highlight=False)
+    return 1
 
 
 def _final_state(job) -> str:
@@ -232,4 +306,4 @@ def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, worl
         pass
 
 
-__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor"]
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor", "submit_run"]

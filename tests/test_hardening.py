@@ -208,3 +208,59 @@ def test_real_full_disk_is_named(small_fs, tmp_path):
     failed = [r for r in range(2) if (status(run, r).get("error") or {}).get("type") == "DiskFullError"]
     assert failed, [status(run, r).get("error") for r in range(2)]
     _check_full_disk_records(run, proc.returncode, err, failed)
+
+
+def test_idle_ranks_and_empty_predictions_are_warned_about(tmp_path):
+    from conftest import SHARED
+
+    run = tmp_path / "idle"
+    proc = run_disteval(*QUICK, "dist.world_size=3", "data.limit=20", run_dir=run)  # 2 batches of 16 for 3 ranks
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = load_results(run)
+    idle = [p["rank"] for p in res["per_rank"] if p["samples"] == 0]
+    assert idle == [2] and any("rank(s) [2] of 3 had nothing to evaluate" in w for w in res["warnings"])
+    assert "had nothing to evaluate" in " ".join(proc.stdout.split())
+
+    gt = SHARED / "data" / "coco" / "fce_cocoapi" / "instances_val2014_100.json"
+    if not gt.exists():
+        pytest.skip(f"{gt} is absent (../shared/data beside the checkout)")
+    empty = tmp_path / "empty_results.json"
+    empty.write_text("[]")
+    run = tmp_path / "empty"
+    proc = run_disteval("eval.progress=false", "+experiment=coco_replay", f"data.annotations={gt}",
+                        f"data.predictions={empty}", "dist.world_size=1", run_dir=run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = load_results(run)
+    assert res["metrics"]["AP"] in (0.0, -1.0)
+    assert any("holds no detections" in w for w in res["warnings"]), res["warnings"]
+    assert "holds no detections" in " ".join(proc.stderr.split())
+
+
+def test_a_reused_sweep_directory_is_refused_then_archived_with_overwrite(tmp_path):
+    sweep = tmp_path / "sweep"
+
+    def multirun(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "disteval", "-m", "data.limit=40,60", "dist.world_size=1",
+                               f"hydra.sweep.dir={sweep}", *QUICK, *extra], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+
+    first = multirun()
+    assert first.returncode == 0, first.stderr[-2000:]
+    jobs = [sweep / "0", sweep / "1"]
+    before = [load_results(j) for j in jobs]
+    assert [r["dataset"]["num_samples"] for r in before] == [40, 60]
+    for j in jobs:  # each job keeps its own config and driver log (nothing of the job itself archived)
+        assert (j / ".hydra" / "config.yaml").exists() and (j / "disteval.log").stat().st_size > 0
+        assert not (j / "previous").exists()
+
+    again = multirun()
+    assert again.returncode == 2 and "eval.overwrite=true" in again.stderr, again.stderr[-2000:]
+    assert [load_results(j) for j in jobs] == before
+
+    over = multirun("eval.overwrite=true")
+    assert over.returncode == 0, over.stderr[-2000:]
+    for j, old in zip(jobs, before):
+        kept = list((j / "previous").iterdir())
+        assert len(kept) == 1 and json.loads((kept[0] / "results.json").read_text()) == old
+        assert (kept[0] / ".hydra" / "config.yaml").exists() and (j / ".hydra" / "config.yaml").exists()
+        assert load_results(j)["created"] > old["created"]

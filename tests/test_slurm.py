@@ -1,11 +1,13 @@
 """Real SLURM jobs through `python -m disteval -m hydra/launcher=submitit_slurm`, on the single-node cluster
 that scripts/slurm/start_cluster.sh starts (.ci/run starts it): a sweep over world sizes 1 and 2 (each job at
 its own size, metrics equal to the local run, summary written), a failing rank reported as failed with its
-own error, a job cancelled with scancel reported as cancelled, and the launcher refusing to run without -m.
+own error, a job cancelled with scancel reported as cancelled, and the form without -m submitting the run as
+one job (metrics equal to the local run, a failing rank named, a job that cannot be shaped refused with exit 2).
 Skipped with a reason when no cluster answers (CI counts a skip as a failure)."""
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,9 +39,9 @@ def slurm():
         pytest.skip(reason)
 
 
-def _disteval(*args, cwd, timeout=600, wait=True):
-    cmd = [sys.executable, "-m", "disteval", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
-           *args]
+def _disteval(*args, cwd, timeout=600, wait=True, multirun=True):
+    cmd = [sys.executable, "-m", "disteval", *(["-m"] if multirun else []), "hydra/launcher=submitit_slurm",
+           "hydra.launcher.timeout_min=10", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160")
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -138,10 +140,56 @@ def _job_id(sweep_dir) -> str:
     return folders[0].split("_")[0]
 
 
-def test_slurm_launcher_without_multirun_is_refused(cli):
-    proc, run_dir = cli("hydra/launcher=submitit_slurm")
-    assert proc.returncode == 2 and "add -m" in proc.stderr
-    assert not (run_dir / "ranks").exists()
+def test_without_multirun_the_run_is_one_slurm_job_equal_to_the_local_run(slurm, tmp_path, cli):
+    """The documented form without -m submits the run as one SLURM job (one task per rank) through the same
+    launcher, waits, prints its metrics and where results.json went; the run directory (hydra.run.dir) holds
+    the job's records, its metrics equal the local run's and the doctor finds it healthy."""
+    run_dir = tmp_path / "run"
+    proc = _disteval("dist.world_size=2", f"hydra.run.dir={run_dir}", cwd=tmp_path, multirun=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    printed = re.findall(r"^results: (.+)$", proc.stdout, re.M)
+    assert printed == [str(run_dir / "results.json")], proc.stdout[-3000:]
+    res = load_results(run_dir)
+    assert res["world_size"] == 2 and len({p["host"] for p in res["per_rank"]}) == 1 and res["coverage"]["ok"]
+    assert _job_id(run_dir).isdigit() and not (run_dir / "launch.json").exists()  # a SLURM job, no local ranks
+    local_proc, local_dir = cli("dist.world_size=2")
+    assert local_proc.returncode == 0
+    assert res["metrics"] == load_results(local_dir)["metrics"]
+    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and [r["verdict"] for r in json.loads(out.stdout)["runs"]] == [None], out.stdout[-3000:]
+
+
+def test_without_multirun_a_failing_rank_is_named_and_exits_1(slurm, tmp_path):
+    from test_cli import _fake_fashion
+
+    _fake_fashion(tmp_path / "fm", [0, 1, 2, 3, 4, 5, 6, 7, 12, 9])
+    run_dir = tmp_path / "run"
+    proc = _disteval("+experiment=fashion_mnist", f"data.root={tmp_path / 'fm'}", "dist.world_size=2",
+                     "data.batch_size=4", f"hydra.run.dir={run_dir}", cwd=tmp_path, multirun=False)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1, text[-3000:]
+    assert "run failed" in text and "rank 1" in text and "label 12 outside [0, 10)" in text, text[-3000:]
+    assert f"doctor {run_dir}" in text
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["state"] == "FAILED" and "label 12" in job["error"] and job["job_id"] == _job_id(run_dir)
+
+
+def test_without_multirun_a_job_that_cannot_be_shaped_is_refused_before_submission(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _disteval("dist.world_size=3", "dist.ranks_per_node=2", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                     multirun=False, timeout=300)
+    assert proc.returncode == 2 and "configuration error" in proc.stderr and "not a multiple" in proc.stderr
+    assert not (run_dir / ".submitit").exists() and not (run_dir / "ranks").exists()
+
+
+@pytest.mark.parametrize("path", ["/tmp/plain-1.2_x", "/tmp/a b,c=d", "/tmp/it's", "/tmp/back\\slash\\", "/tmp/~u:v"])
+def test_run_dir_survives_hydra_override_quoting(path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from launchers.submitit import _quote
+
+    assert OverridesParser.create().parse_override(f"hydra.sweep.dir={_quote(path)}").value() == path
 
 
 def test_requeue_resumes_from_checkpoints_with_identical_metrics(slurm, tmp_path, cli):

@@ -58,16 +58,64 @@ class IndexedDataset(Dataset):
         return x, int(y), index
 
 
-def _digits(split: str) -> TensorDataset:
+def _digits_split(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits split (pixels float64 [N, 64] in 0..16, labels [N])."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    if split not in ("train", "test"):
-        raise ConfigError("data.split", f"digits has splits 'train' and 'test', not {split!r}")
     x, y = load_digits(return_X_y=True)
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=DIGITS_TEST_FRACTION, random_state=0, stratify=y)
-    xs, ys = (x_te, y_te) if split == "test" else (x_tr, y_tr)
+    return (x_te, y_te) if split == "test" else (x_tr, y_tr)
+
+
+def _digits_cache(split: str) -> Path | None:
+    """Where the digits split is cached: ``DISTEVAL_CACHE_DIR`` (else ``$XDG_CACHE_HOME/disteval`` or
+    ``~/.cache/disteval``), one file per scikit-learn version and split. None when the version is unknown."""
+    import importlib.metadata
+    import os
+
+    try:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = os.environ.get("DISTEVAL_CACHE_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disteval"
+    return Path(root) / f"digits-sklearn{version}-{split}-test{DIGITS_TEST_FRACTION}-seed0.npz"
+
+
+def _digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The split from the cache, else from scikit-learn (whose import costs about a second in every rank),
+    then cached (atomic rename; an unwritable cache is skipped). The cache holds exactly scikit-learn's
+    arrays for its version, so the data never depend on it."""
+    import os
+    import tempfile
+
+    path = _digits_cache(split)
+    try:
+        with np.load(path) as cached:
+            return cached["x"], cached["y"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    xs, ys = _digits_split(split)
+    if path is not None:
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, x=xs, y=ys)
+            os.replace(tmp, path)
+        except OSError:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+    return xs, ys
+
+
+def _digits(split: str) -> TensorDataset:
+    if split not in ("train", "test"):
+        raise ConfigError("data.split", f"digits has splits 'train' and 'test', not {split!r}")
+    xs, ys = _digits_arrays(split)
     images = torch.from_numpy((xs / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
     return TensorDataset(images, torch.from_numpy(ys.astype(np.int64)))
 

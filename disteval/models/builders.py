@@ -3,6 +3,9 @@
 Weights, in order of precedence: ``model.checkpoint`` (a local plain state dict), ``model.weights``
 (``shipped`` for the reference CNNs, or a torchvision weights enum name such as IMAGENET1K_V1), else random
 initialisation (seeded by ``seed``).
+
+torchvision is imported only where a torchvision model is named: its import costs seconds per process (its
+detection ops pull in torch._dynamo), which every rank would pay for a shipped CNN.
 """
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import importlib.resources
 from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 from disteval.errors import CheckpointError, ConfigError
@@ -18,9 +20,21 @@ from disteval.models.checkpoint import check_state_dict, load_state_dict_file
 from disteval.models.reference_cnn import REFERENCE_MODELS, SHIPPED_CHECKPOINTS
 
 
+def _torchvision_models():
+    import torchvision.models
+
+    return torchvision.models
+
+
+# The driver checks small models' shapes on CPU: two samples through them take milliseconds, while the meta
+# device's shape functions (meta conv, the addmm decomposition) import torch._dynamo, about 1.5-2 s.
+CPU_CHECK_MAX_PARAMS = 2_000_000
+
+
 def available_models() -> list[str]:
     """Reference model names followed by torchvision's classification model names."""
-    return sorted(REFERENCE_MODELS) + torchvision.models.list_models(module=torchvision.models)
+    models = _torchvision_models()
+    return sorted(REFERENCE_MODELS) + models.list_models(module=models)
 
 
 def shipped_checkpoint(name: str) -> str:
@@ -35,10 +49,11 @@ def shipped_checkpoint(name: str) -> str:
 
 
 def _torchvision_weights(name: str, weights: str):
+    models = _torchvision_models()
     try:
-        return torchvision.models.get_model_weights(name)[weights]
+        return models.get_model_weights(name)[weights]
     except KeyError:
-        options = [w.name for w in torchvision.models.get_model_weights(name)]
+        options = [w.name for w in models.get_model_weights(name)]
         raise ConfigError("model.weights", f"{weights!r} is not a weights name of {name} "
                           f"(available: {options + ['null']})") from None
 
@@ -46,8 +61,7 @@ def _torchvision_weights(name: str, weights: str):
 def weights_plan(model: Any) -> tuple[str, Any]:
     """Decide where the weights come from: ``("checkpoint", path)``, ``("torchvision", WeightsEnum)``
     or ``("random", None)``. Raises ConfigError for an unknown model name or weights name."""
-    if model.name not in REFERENCE_MODELS and model.name not in torchvision.models.list_models(
-            module=torchvision.models):
+    if model.name not in REFERENCE_MODELS and model.name not in available_models():
         raise ConfigError("model.name", f"unknown model {model.name!r}; reference models: "
                           f"{sorted(REFERENCE_MODELS)}, or any torchvision classification model "
                           "(torchvision.models.list_models(module=torchvision.models))")
@@ -66,7 +80,7 @@ def _architecture(model: Any, num_classes: int) -> nn.Module:
     kwargs = dict(model.kwargs or {})
     if model.name in REFERENCE_MODELS:
         return REFERENCE_MODELS[model.name](num_classes=num_classes, **kwargs)
-    return torchvision.models.get_model(model.name, weights=None, num_classes=num_classes, **kwargs)
+    return _torchvision_models().get_model(model.name, weights=None, num_classes=num_classes, **kwargs)
 
 
 def resolve_num_classes(model: Any, dataset_classes: int | None) -> int:
@@ -88,8 +102,9 @@ def resolve_num_classes(model: Any, dataset_classes: int | None) -> int:
 def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
     """Driver-side checks before any rank starts: the architecture builds and, given the data's
     ``input_shape`` (C, H, W), runs a forward pass to logits [B, num_classes], both on the meta device (no
-    memory, no compute); a checkpoint loads with weights_only=True and fits it; torchvision weights are in
-    torch.hub's cache (downloaded here, once, when missing). Raises ConfigError or CheckpointError."""
+    memory, no compute), or on CPU for a model of at most ``CPU_CHECK_MAX_PARAMS`` parameters; a checkpoint
+    loads with weights_only=True and fits it; torchvision weights are in torch.hub's cache (downloaded here,
+    once, when missing). Raises ConfigError or CheckpointError."""
     plan, source = weights_plan(model)
     device = torch.device("meta")
     try:
@@ -98,12 +113,15 @@ def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] |
     except TypeError as exc:
         raise ConfigError("model.kwargs", f"{model.name} does not accept {dict(model.kwargs)}: {exc}") from exc
     except NotImplementedError:  # builders that initialise weights by copying data (regnet) need real memory
+        device, net = torch.device("cpu"), None
+    if net is None or sum(p.numel() for p in net.parameters()) <= CPU_CHECK_MAX_PARAMS:
         device = torch.device("cpu")
-        net = _architecture(model, num_classes).eval()
+        with torch.random.fork_rng(devices=[]):  # leave the caller's random state as it was
+            net = _architecture(model, num_classes).eval()
     with device, torch.no_grad():
         if input_shape is not None:
             try:
-                out = net(torch.empty((2, *input_shape)))
+                out = net(torch.zeros((2, *input_shape)))
             except Exception as exc:  # noqa: BLE001 - any shape error of the architecture
                 raise ConfigError("data.crop_size", f"{model.name} cannot take the data's inputs of shape "
                                   f"{list(input_shape)} ({type(exc).__name__}: {exc}); check data.crop_size "
@@ -129,7 +147,7 @@ def build_model(model: Any, num_classes: int, seed: int = 0) -> nn.Module:
     plan, source = weights_plan(model)
     torch.manual_seed(seed)
     if plan == "torchvision":
-        net = torchvision.models.get_model(model.name, weights=source, **dict(model.kwargs or {}))
+        net = _torchvision_models().get_model(model.name, weights=source, **dict(model.kwargs or {}))
     else:
         net = _architecture(model, num_classes)
         if plan == "checkpoint":

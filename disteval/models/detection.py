@@ -5,13 +5,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torchvision
 
 from disteval.errors import CheckpointError, ConfigError
 from disteval.models.checkpoint import check_state_dict, load_state_dict_file
 
 
 def detection_models() -> list[str]:
+    """torchvision's detection model names (imports torchvision: seconds, so only when a detector is asked for)."""
+    import torchvision.models.detection
+
     return torchvision.models.list_models(module=torchvision.models.detection)
 
 
@@ -22,6 +24,8 @@ def build_detector(model_cfg: Any, category_ids: np.ndarray, seed: int = 0) -> t
     if model_cfg.name not in detection_models():
         raise ConfigError("model.name", f"{model_cfg.name!r} is not a torchvision detection model; available: "
                           f"{detection_models()}")
+    import torchvision
+
     kwargs = dict(model_cfg.kwargs or {})
     torch.manual_seed(seed)
     if model_cfg.weights not in (None, "", "none", "null") and not model_cfg.checkpoint:

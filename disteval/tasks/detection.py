@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 
 from disteval.data.coco import load_detections, load_ground_truth
 from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
@@ -103,6 +102,8 @@ class CocoDetectionTask(_CocoTask):
             raise ConfigError("model.name", f"{cfg.model.name!r} is not a torchvision detection model; "
                               f"available: {detection_models()}")
         if cfg.model.weights not in (None, "", "none", "null") and not cfg.model.checkpoint:
+            import torchvision
+
             try:  # download once here, not in every rank
                 torchvision.models.get_model_weights(cfg.model.name)[cfg.model.weights].get_state_dict(progress=False)
             except KeyError:
@@ -137,7 +138,9 @@ class CocoReplayTask(_CocoTask):
         if not self.cfg.data.predictions:
             raise ConfigError("data.predictions", "data.name=coco_replay needs data.predictions=PATH "
                               "(a COCO results JSON)")
-        load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type)
+        if not len(load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type).score):
+            notes.append(f"data.predictions={self.cfg.data.predictions} holds no detections: every AP and AR is 0 "
+                         "(-1 where no ground truth exists); was the right results file passed?")
 
     def dataset(self):
         dets = load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type)
