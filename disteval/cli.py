@@ -157,7 +157,12 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
             except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
                 raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
         elif cfg.dist.world_size == 1:
-            run_single(run_rank, (job, run_dir, None))
+            try:
+                run_single(run_rank, (job, run_dir, None))
+            except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
+                if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
+                    exc.rank = 0
+                raise
         else:
             launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number

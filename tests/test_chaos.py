@@ -1,0 +1,40 @@
+"""``scripts/chaos.py``: a small seeded chaos run (real runs, real faults, the real doctor) passes every invariant,
+and its table and JSON summary add up."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_seeded_chaos_rounds_keep_every_invariant(tmp_path):
+    summary = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--seed", "1", "--rounds", "3",
+                           "--workdir", str(tmp_path / "work"), "--json", str(summary)],
+                          capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(summary.read_text())
+    # seed 1 deals a slow rank past the timeout, a stopped rank and a concurrent run into one run directory
+    kinds = [r["drill"]["kind"] for r in report["details"]]
+    assert kinds == ["delay_past", "stop", "concurrent"], kinds
+    total = report["summary"]["total"]
+    assert report["rounds"] == total["rounds"] == 3 and report["references_agree"]
+    assert total["violations"] == {inv: 0 for inv in total["violations"]} and len(total["violations"]) == 7
+    assert total["outcomes"] == {"failed": 2, "ok": 1}
+    assert sum(row["rounds"] for kind, row in report["summary"].items() if kind != "total") == 3
+    for rnd in report["details"]:  # the doctor named the injected rank, and nothing outlived the run
+        assert rnd["doctor"]["culprit"] == rnd["expected"]["culprit"] and rnd["facts"]["gone_s"] is not None
+    concurrent = report["details"][2]
+    assert concurrent["facts"]["second_exit"] == 2 and concurrent["facts"]["rerun_exit"] == 2
+    # the printed table: one row per kind and a total row with 3 rounds, 0 violations, 2 failed and 1 ok
+    total_row = next(line for line in proc.stdout.splitlines() if line.strip("│ ").startswith("total"))
+    cells = [c.strip() for c in total_row.strip("│").split("│")]
+    assert cells[:9] == ["total", "3", "0", "0", "0", "0", "0", "0", "0"], cells
+    assert cells[9:15] == ["1", "2", "0", "0", "0", "0"], cells
+    assert "0 violation(s) in 0 round(s)" in proc.stdout
