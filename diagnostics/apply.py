@@ -4,8 +4,10 @@ Each attempt reruns ``python -m disteval`` with the original overrides plus ever
 later attempt keeps the earlier fixes) in its own directory ``RUN_DIR/doctor/attempt{n}`` (n counts on across
 invocations; the attempt's console output is kept there as console.log), then diagnoses that attempt. Every
 attempt is recorded in ``RUN_DIR/doctor/attempts.json``. It stops when an attempt is healthy (and names the
-remedy that fixed it), when the verdict has no remedy, when the same (failure, remedy) pair comes up again
-(in this or an earlier --apply), or after ``max_attempts``.
+remedy that fixed it), when the verdict has no remedy, when the verdict is ``unknown`` (the records do not
+name a cause, so nothing is known to fix), when the remedy cannot change the cause (``Remedy.changes_cause``
+false: advice for a person, a diagnostic rerun, or a plain rerun of a failure whose cause would recur), when
+the same (failure, remedy) pair comes up again (in this or an earlier --apply), or after ``max_attempts``.
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from diagnostics.remedies import merge_overrides, rerun_command, run_overrides
 
 
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
-                   log: Callable[[str], None] = print) -> tuple[Diagnosis, list[dict]]:
-    """Retry ``diag.run`` with remedies. Returns the last diagnosis and the attempts: [{run_dir, overrides, env,
-    unset, exit_code, verdict ("STATE/check" or None), remedy, fixed, warnings}]. ``backoff_s`` doubles after each
-    attempt (seconds); ``timeout_s`` bounds one attempt (seconds). Pairs tried by an earlier --apply on the same
-    run (``RUN_DIR/doctor/attempts.json``) count as tried."""
+                   log: Callable[[str], None] = print) -> tuple[Diagnosis, list[dict], str | None]:
+    """Retry ``diag.run`` with remedies. Returns the last diagnosis, the attempts: [{run_dir, overrides, env,
+    unset, exit_code, verdict ("STATE/check" or None), remedy, fixed, warnings}], and why it stopped without a
+    healthy attempt (None when one was healthy). ``backoff_s`` doubles after each attempt (seconds);
+    ``timeout_s`` bounds one attempt (seconds). Pairs tried by an earlier --apply on the same run
+    (``RUN_DIR/doctor/attempts.json``) count as tried."""
     base = diag.run
     doctor_dir = base.path / "doctor"
     history = _load_history(doctor_dir)
@@ -35,19 +38,16 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
     env: dict[str, str] = {}
     unset: set[str] = set()
     attempts: list[dict] = []
-    current = diag
+    current, stopped = diag, None
     for n in range(1, max_attempts + 1):
         remedy = current.remedy
         if current.verdict is None:
             break
-        if remedy is None:
-            log(f"no remedy for {current.verdict.state}/{current.verdict.check}: stopping")
+        stopped = _refusal(current, tried)
+        if stopped:
+            log(stopped)
             break
         pair = (current.failure_key(), remedy.key())
-        if pair in tried:
-            log(f"{remedy.describe()} was already tried for {current.verdict.state}/{current.verdict.check} "
-                "(this or an earlier --apply): stopping")
-            break
         tried.add(pair)
         overrides = merge_overrides(overrides, remedy.overrides)
         env.update(remedy.env)
@@ -60,20 +60,14 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         argv = rerun_command(overrides, run_dir)
         log(f"{run_dir.name}: {remedy.describe()} -> {' '.join(overrides)}"
             + (f" with {env}" if env else "") + (f" without {sorted(unset)}" if unset else ""))
-        cwd = (base.launch or {}).get("cwd") or os.getcwd()
-        child_env = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
-        try:
-            proc = subprocess.run(argv, cwd=cwd if Path(cwd).is_dir() else None, env=child_env,
-                                  capture_output=True, text=True, timeout=timeout_s)
-            code, console = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            code, console = 124, f"timed out after {timeout_s:g} s (--attempt-timeout-s)\n{partial}"
+        code, console = _run_attempt(argv, (base.launch or {}).get("cwd") or os.getcwd(),
+                                     {k: v for k, v in {**os.environ, **env}.items() if k not in unset}, timeout_s)
         if run_dir.exists():
             (run_dir / "console.log").write_text(console)
             current = diagnose(load_run(run_dir), reference=base.derived.get("reference"))
         else:
-            log(f"{run_dir.name} wrote no run directory (exit code {code}): {console.strip()[-300:]}")
+            stopped = f"{run_dir.name} wrote no run directory (exit code {code}): {console.strip()[-300:]}"
+            log(stopped)
         fixed = code == 0 and current.verdict is None and run_dir.exists()
         warnings = [f"{f.state}/{f.check}: {f.finding}" for f in current.findings if f.status == "warn"]
         attempts.append({"run_dir": str(run_dir), "overrides": overrides, "env": dict(env), "unset": sorted(unset),
@@ -89,8 +83,36 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         if not run_dir.exists():
             break
     else:
-        log(f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy")
-    return current, attempts
+        stopped = f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy"
+        log(stopped)
+    return current, attempts, stopped
+
+
+def _run_attempt(argv: list[str], cwd: str, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """(exit code, console output) of one rerun; 124 when it ran past ``timeout_s`` seconds."""
+    try:
+        proc = subprocess.run(argv, cwd=cwd if Path(cwd).is_dir() else None, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return 124, f"timed out after {timeout_s:g} s (--attempt-timeout-s)\n{partial}"
+
+
+def _refusal(diag: Diagnosis, tried: set) -> str | None:
+    """Why the verdict's remedy must not be applied (one line), or None when it may be."""
+    v, remedy = diag.verdict, diag.remedy
+    where = f"{v.state}/{v.check}"
+    if v.status == "unknown":
+        return f"the verdict {where} is unknown: the records do not name a cause, so there is nothing to apply: stopping"
+    if remedy is None:
+        return f"no remedy for {where}: stopping"
+    if not remedy.changes_cause:
+        return (f"not applying the remedy of {where}: it cannot change the cause ({remedy.why}); a rerun would fail "
+                "the same way: stopping")
+    if (diag.failure_key(), remedy.key()) in tried:
+        return (f"{remedy.describe()} was already tried for {where} (this or an earlier --apply): stopping")
+    return None
 
 
 def _remedy_key(remedy: dict) -> tuple:

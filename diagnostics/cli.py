@@ -86,19 +86,21 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
         if args.apply and diag.verdict is not None:
             log = (lambda m: None) if args.json else (lambda m: console.print(f"[cyan]doctor --apply:[/] {m}",
                                                                               soft_wrap=True, highlight=False))
-            final, attempts = apply_remedies(diag, max_attempts=args.max_attempts, backoff_s=args.backoff_s,
-                                             timeout_s=args.attempt_timeout_s, log=log)
-            if not args.json:
+            final, attempts, stopped = apply_remedies(diag, max_attempts=args.max_attempts, backoff_s=args.backoff_s,
+                                                      timeout_s=args.attempt_timeout_s, log=log)
+            if not args.json and attempts:
                 print_diagnosis(final, console, args.verbose)
             run_code = 0 if attempts and attempts[-1]["fixed"] else max(1, final.exit_code)
             final_dict = as_dict(final)
-        elif not args.json and diag.remedy is not None:
+        elif not args.json and diag.remedy is not None and diag.remedy.changes_cause and diag.verdict.status == "fail":
             console.print(f"[dim]apply it with: python -m diagnostics doctor {path} --apply[/]", soft_wrap=True,
                           highlight=False)
             run_code = diag.exit_code
         else:
             run_code = diag.exit_code
         entry = as_dict(diag, probes, attempts)
+        if args.apply and diag.verdict is not None:
+            entry["apply_stopped"] = stopped
         if attempts:
             entry["final"] = {k: final_dict[k] for k in ("run_dir", "verdict", "culprit_rank", "remedy")}
             entry["fixed"] = bool(attempts[-1]["fixed"])

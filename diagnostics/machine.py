@@ -1,9 +1,11 @@
 """The doctor's state machine: INIT -> SHARDS -> CONVERGENCE -> COMM -> RESULT.
 
 Every check of every state runs (a check that raises is reported as ``crashed`` with its exception and the
-others still run); the verdict is the first state, in flowchart order, with a failing check, and the
-remedy is that check's. The culprit rank is the verdict's, else the launcher's (earliest non-network error
-across ranks, ``launchers.culprit``).
+others still run); the verdict is the first state, in flowchart order, with a failing check, else the first
+with an ``unknown`` one (the records do not decide: the finding lists what they hold), and the remedy is that
+check's. A run recorded as failed for which no check fails or is unknown gets an ``unknown`` verdict
+(RESULT/undecided) listing what the records hold: never a guess. The culprit rank is the verdict's, else the
+launcher's (earliest non-network error across ranks, ``launchers.culprit``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from diagnostics.checks import CHECKS, STATES, Finding
 from diagnostics.evidence import Evidence, Run
+from diagnostics.findings import what_was_found
 from diagnostics.remedies import Remedy
 
 
@@ -26,10 +29,12 @@ class Diagnosis:
 
     @property
     def verdict(self) -> Finding | None:
-        for state in STATES:
-            for f in self.findings:
-                if f.state == state and f.status == "fail":
-                    return f
+        """The first failing finding in state order, else the first ``unknown`` one, else None (healthy)."""
+        for status in ("fail", "unknown"):
+            for state in STATES:
+                for f in self.findings:
+                    if f.state == state and f.status == status:
+                        return f
         return None
 
     @property
@@ -57,7 +62,8 @@ class Diagnosis:
 
     @property
     def exit_code(self) -> int:
-        """0 healthy, 1 problems found, 2 the doctor could not finish (a check crashed and nothing failed)."""
+        """0 healthy, 1 problems found or a verdict the records do not decide (``unknown``), 2 the doctor could
+        not finish (a check crashed and nothing failed)."""
         if self.verdict is not None:
             return 1
         return 2 if self.crashed else 0
@@ -83,6 +89,10 @@ def diagnose(run: Run, probes: dict | None = None, reference: str | Path | None 
                                              [Evidence(frame.filename, "raised here", line=frame.lineno)]))
     if probes:
         diag.findings.extend(probe_findings(probes))
+    if run.failed and not any(f.status in ("fail", "unknown") for f in diag.findings):
+        found, ev = what_was_found(run)
+        diag.findings.append(Finding("RESULT", "undecided", "unknown", f"the run is recorded as failed but no check "
+                                     f"could name why from its records. Found: {found}", ev))
     return diag
 
 

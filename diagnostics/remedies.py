@@ -11,23 +11,36 @@ from pathlib import Path
 @dataclass
 class Remedy:
     """What to change: ``overrides`` (Hydra ``key=value``), ``env`` (variables every rank must see, for
-    problems outside the config such as a per-rank MASTER_PORT) and ``why`` (one line)."""
+    problems outside the config such as a per-rank MASTER_PORT) and ``why`` (one line).
+
+    ``changes_cause``: whether applying it (``doctor --apply``) can change what the evidence names as the
+    cause. True for a change of the setting the evidence points at, and for a plain rerun when the evidence
+    shows the cause came from outside the run and has passed (an interrupt, a preemption). False for advice
+    that only a person can carry out (free disk space, fetch a file, add ``-m``), for a diagnostic rerun
+    that only reports more, and wherever the evidence does not say why: ``--apply`` refuses those."""
 
     overrides: list[str]
     why: str
     env: dict[str, str] = field(default_factory=dict)
     unset: list[str] = field(default_factory=list)  # environment variables to remove
+    changes_cause: bool = True
 
     def key(self) -> tuple:
         """Identity for "never the same (failure, remedy) pair twice"."""
         return tuple(sorted(self.overrides)), tuple(sorted(self.env.items())), tuple(sorted(self.unset))
 
+    @property
+    def changes_anything(self) -> bool:
+        """Whether a rerun with it differs from the run (an override, a variable set or removed)."""
+        return bool(self.overrides or self.env or self.unset)
+
     def describe(self) -> str:
         parts = self.overrides + [f"{k}={v}" for k, v in self.env.items()] + [f"unset {k}" for k in self.unset]
-        return " ".join(parts) or "a plain rerun"
+        return " ".join(parts) or ("a plain rerun" if self.changes_cause else "nothing to rerun with (by hand)")
 
     def as_dict(self) -> dict:
-        return {"overrides": list(self.overrides), "env": dict(self.env), "unset": list(self.unset), "why": self.why}
+        return {"overrides": list(self.overrides), "env": dict(self.env), "unset": list(self.unset), "why": self.why,
+                "changes_cause": self.changes_cause}
 
 
 def override_key(override: str) -> str:

@@ -1,12 +1,18 @@
 """Naming the rank that caused a failed run, from every rank's status.json (not a peer's network error).
 
-Rule (DESIGN.md): the culprit is the rank with the earliest non-network error; else the rank a victim
-blamed (rank 0 names a peer whose status stopped updating or said failed) unless that rank's own record
-shows it was itself a victim before it was blamed (a network error recorded earlier); else a rank that died
-(killed by a signal, non-zero exit) without recording any error; else a rank that stopped in
-init/data/forward without recording an error while its peers failed (died silently or hung); else a rank
-that never started; else, when every rank recorded a consequence, the rank that had not finished its shard
-while others had (the slow one they waited for); else the earliest network error.
+Rule (DESIGN.md): the culprit is the rank with the earliest error of its own (not a consequence: a network
+error, an error that ``blames`` a peer, or a ``DriverDiedError``); else the rank a victim blamed (a peer
+names a rank whose heartbeat or progress stopped, or whose status said failed) unless that rank's own record
+shows it was itself a victim before it was blamed (a network error recorded earlier) or that it was waiting
+in a blocking collective (``in_collective``) while its heartbeat stayed fresh (alive and waiting, not
+stalled); else the rank whose heartbeat stopped first, clearly before every other rank's last sign of life
+(stopped, frozen or dead); else, when every error is a ``DriverDiedError``, no rank (the driver died); else a
+rank that died (killed by a signal, non-zero exit) without recording any error, the one whose heartbeat
+stopped first; else a rank that stopped in init/data/forward without recording an error while its peers
+failed (died silently or hung), the one whose progress stopped first, never one waiting in a collective
+with a fresh heartbeat; else a rank that never started; else, when every rank recorded a consequence, the
+rank that had not finished its shard while others had (the slow one they waited for); else the earliest
+network error. Records without heartbeat fields (older runs) skip the heartbeat parts of the rule.
 """
 from __future__ import annotations
 
@@ -36,21 +42,24 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     deaths = deaths or {}
     errors = [(s["error"].get("time", s.get("t_update", 0.0)), r, s) for r, s in records.items()
               if s and s.get("error")]
-    own = sorted(e for e in errors if not is_network_error(e[2]["error"]))
+    own = sorted(e for e in errors if not is_consequence(e[2]["error"]))
     if own:
         _, r, s = own[0]
         err = s["error"]
         return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
-    def _victim_before(blamed_rank: int, when: float) -> bool:
-        err = (records.get(blamed_rank) or {}).get("error")
-        return bool(err) and is_network_error(err) and float(err.get("time", when)) <= when
-
-    blamed = sorted((e[0], e[2]["error"]["blames"], e[2]) for e in errors if e[2]["error"].get("blames") is not None
-                    and not _victim_before(int(e[2]["error"]["blames"]), e[0]))
-    if blamed:
-        _, r, s = blamed[0]
-        return Culprit(r, s["error"]["message"], s["error"].get("traceback", ""))
-    silent = [r for r in sorted(deaths) if not (records.get(r) or {}).get("error")]
+    blamed = _blamed(records, errors)
+    if blamed is not None:
+        r, err = blamed
+        return Culprit(r, err["message"], err.get("traceback", ""))
+    first = heartbeat_stopped_first(records)
+    if first is not None:
+        r, gap = first
+        return Culprit(r, f"rank {r}'s heartbeat stopped first, {gap:.0f} s before any other rank's last sign of "
+                          f"life, in {recorded_progress(records[r])}: the process was stopped, froze or died")
+    if errors and all(e[2]["error"].get("type") in CONSEQUENCE_TYPES for e in errors) and not deaths:
+        return Culprit(None, "the driver died: every rank that recorded an error stopped itself "
+                             f"({errors[0][2]['error']['type']}: {str(errors[0][2]['error']['message'])[:200]})")
+    silent = sorted((r for r in deaths if not (records.get(r) or {}).get("error")), key=lambda r: _stop_key(records, r))
     if silent:
         r = silent[0]
         s = records.get(r)
@@ -59,7 +68,10 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     never = [r for r, s in records.items() if s is None]
     if never:
         return Culprit(never[0], f"rank {never[0]} never started (no status record)")
-    stalled = [r for r, s in records.items() if s and not s.get("error") and s.get("phase") in ("init", "data", "forward")]
+    latest = max((_last_sign(s) for s in records.values() if s), default=0.0)
+    stalled = sorted((r for r, s in records.items() if s and not s.get("error")
+                      and s.get("phase") in ("init", "data", "forward") and not waiting_in_collective(s, latest)),
+                     key=lambda r: (float(records[r].get("t_progress") or records[r].get("t_update") or 0.0), r))
     if errors and stalled:
         r = stalled[0]
         s = records[r]
@@ -82,3 +94,73 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
         return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
     return Culprit(None, "the run failed but no rank recorded an error: " + "; ".join(
         f"rank {r} {how}" for r, how in sorted(deaths.items())) if deaths else "the run failed")
+
+
+def _blamed(records: dict[int, dict | None], errors: list[tuple]) -> tuple[int, dict] | None:
+    """(rank, the blaming error) of the earliest blame that stands: the blamed rank's record shows neither that
+    it was itself a victim before (a network error recorded earlier) nor that it waited in a collective with a
+    fresh heartbeat when it was blamed."""
+    def victim_before(blamed_rank: int, when: float) -> bool:
+        err = (records.get(blamed_rank) or {}).get("error")
+        return bool(err) and is_network_error(err) and float(err.get("time", when)) <= when
+
+    blames = sorted((when, int(s["error"]["blames"]), r) for when, r, s in errors
+                    if s["error"].get("blames") is not None)
+    for when, blamed_rank, r in blames:
+        if not victim_before(blamed_rank, when) and not waiting_in_collective(records.get(blamed_rank), when):
+            return blamed_rank, records[r]["error"]
+    return None
+
+
+CONSEQUENCE_TYPES = frozenset({"DriverDiedError"})  # a rank that stopped itself because its launcher died
+
+
+def is_consequence(error: dict | None) -> bool:
+    """A victim's error: a peer's failure seen through the network, an error that ``blames`` a peer, or the
+    driver's death (``DriverDiedError``). Everything else is the rank's own."""
+    return bool(error) and (is_network_error(error) or error.get("blames") is not None
+                            or error.get("type") in CONSEQUENCE_TYPES)
+
+
+def _beat_gap(record: dict) -> float:
+    """Seconds by which a heartbeat must lag to count as stopped: three beats, at least 2 s (a loaded machine
+    delays a beat by a second or so)."""
+    return max(3.0 * float(record.get("heartbeat_s") or 1.0), 2.0)
+
+
+def _last_sign(record: dict) -> float:
+    """The last time the rank is known to have been alive: its heartbeat, progress, or recorded error."""
+    times = [record.get("t_heartbeat"), record.get("t_progress"), (record.get("error") or {}).get("time")]
+    return max((float(t) for t in times if isinstance(t, (int, float))), default=float(record.get("t_update") or 0.0))
+
+
+def _stop_key(records: dict[int, dict | None], r: int) -> tuple:
+    s = records.get(r) or {}
+    beat = s.get("t_heartbeat")
+    return (beat is None, float(beat or 0.0), r)
+
+
+def waiting_in_collective(record: dict | None, when: float) -> bool:
+    """The rank was waiting in a blocking collective (``in_collective``) with its heartbeat still fresh at
+    ``when``: alive and waiting for others, so not the rank that stalled."""
+    if not record or not record.get("in_collective") or not isinstance(record.get("t_heartbeat"), (int, float)):
+        return False
+    return float(record["t_heartbeat"]) >= float(when) - _beat_gap(record)
+
+
+def heartbeat_stopped_first(records: dict[int, dict | None]) -> tuple[int, float] | None:
+    """(rank, seconds) of the rank whose heartbeat stopped clearly before every other rank's last sign of life
+    (by more than ``_beat_gap``), among ranks that recorded heartbeats, did not finish and recorded no error of
+    their own; None when no rank stands out (or the records predate heartbeats)."""
+    lives = {r: _last_sign(s) for r, s in records.items()
+             if s and isinstance(s.get("t_heartbeat"), (int, float)) and s.get("phase") != "done"
+             and (not s.get("error") or is_consequence(s["error"]))}
+    if len(lives) < 2:
+        return None
+    order = sorted(lives, key=lambda r: (lives[r], r))
+    r, nxt = order[0], order[1]
+    gap = lives[nxt] - lives[r]
+    s = records[r]
+    if s.get("error") or gap <= _beat_gap(s):  # a rank that recorded an error was alive when it did
+        return None
+    return r, gap

@@ -99,7 +99,9 @@ def test_checkout_uses_its_conf_folder():
     ("eval.clip_sigma=0", "eval.clip_sigma"), ("eval.outlier_z=-1", "eval.outlier_z"),
     ("data.sampler=shuffled", "data.sampler"),
     ("eval.exclude_outlier_ranks=true,data.sampler=padded", "eval.exclude_outlier_ranks"),
-    ("eval.exclude_outlier_ranks=true,eval.metrics=[ranking]", "eval.exclude_outlier_ranks")])
+    ("eval.exclude_outlier_ranks=true,eval.metrics=[ranking]", "eval.exclude_outlier_ranks"),
+    ("dist.master_port=70000", "dist.master_port"), ("dist.master_port=65536", "dist.master_port"),
+    ("dist.master_port=-1", "dist.master_port")])
 def test_robust_aggregation_settings_refused_before_ranks(override, key):
     from disteval.errors import ConfigError
     from disteval.preflight import validate_config
@@ -108,6 +110,26 @@ def test_robust_aggregation_settings_refused_before_ranks(override, key):
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
     assert info.value.key == key
+
+
+@pytest.mark.parametrize("port", [0, 1, 29500, 65535])
+def test_master_port_range_accepts_every_tcp_port_and_zero(port):
+    from disteval.preflight import validate_config
+
+    validate_config(_compose(f"dist.master_port={port}"))  # 0 = a free port picked by the rendezvous
+
+
+def test_master_port_out_of_range_exits_2_before_any_rank(tmp_path):
+    """A port no socket can have is refused by the driver's config check, naming the key and value, before any
+    rank starts (torch's rendezvous used to fail on it only after the launch began)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "disteval", "dist.master_port=70000", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "dist.master_port" in proc.stderr and "70000" in proc.stderr
+    assert not (run_dir / "ranks").exists()
+    error = json.loads((run_dir / "launch.json").read_text())["error"]
+    assert error["key"] == "dist.master_port" and "70000" in error["message"]
 
 
 def test_fault_drill_refused_before_ranks(monkeypatch):

@@ -34,7 +34,15 @@ def doctor(run_dir: Path, *flags: str, env: dict | None = None, timeout: float =
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
                           cwd=run_dir.parent)
     assert proc.stdout.strip(), proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
+    report = json.loads(proc.stdout)
+    assert report["schema_version"] == 2
+    for entry in report["runs"]:  # every verdict rests on recorded evidence and says where the failure happened
+        v = entry["verdict"]
+        if v is not None:
+            assert v["status"] in ("fail", "unknown") and v["evidence"], v
+            assert v["phase"] is not None or v["status"] == "unknown", v
+            assert proc.returncode != 0 or entry.get("fixed"), entry  # --apply may have fixed it
+    return proc.returncode, report
 
 
 def verdict(report: dict) -> tuple[str | None, int | None, list[str] | None, dict]:
@@ -129,7 +137,7 @@ def test_delayed_rank_past_timeout_and_apply_fixes_it(tmp_path):
     run = tmp_path / "delayed"
     env = {"DISTEVAL_FAULTS": "delay@1:batch=2,seconds=8"}
     proc = run_disteval(*QUICK, "dist.world_size=2", "communication.timeout_s=3", run_dir=run, env=env)
-    assert proc.returncode == 1 and "rank 1 stalled" in proc.stderr
+    assert proc.returncode == 1 and ("rank 1 stalled" in proc.stderr or "rank 1 stopped making progress" in proc.stderr)
     code, report = doctor(run)
     state, culprit, overrides, _ = verdict(report)
     assert (code, state, culprit, overrides) == (1, "COMM/timeout", 1, ["communication.timeout_s=60"])
