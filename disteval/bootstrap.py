@@ -13,7 +13,7 @@ import torch
 
 from disteval import precision as prec
 from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
-from disteval.errors import DistevalError
+from disteval.errors import DiskFullError, DistevalError
 from disteval.records import StatusWriter, config_digest, rank_dir
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
@@ -55,6 +55,8 @@ def open_records(cfg: Any, run_dir: str, env: RankEnv | None) -> RankContext:
     try:
         status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))
         setup_logging(run_dir, rank)
+    except DiskFullError:
+        raise  # names ENOSPC, the file and the bytes it needed
     except OSError as exc:
         raise DistevalError(f"rank {rank} cannot write its records under {run_dir}/ranks: {exc}") from exc
     return RankContext(cfg, run_dir, rank, world_size, env, status)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 
 import hydra
@@ -26,6 +27,7 @@ from disteval.comm.profiles import apply_profile
 from disteval.common import startup
 from disteval.config import DistevalConfig, conf_dir, register_schemas
 from disteval.errors import ConfigError, DiskFullError, DistevalError, RankFailedError, RunInterrupted
+from disteval import rundir
 from disteval.records import LaunchRecord
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
                              release_run_dir)
@@ -173,7 +175,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         where = f"rank{exc.rank}" if exc.rank is not None else "rank*"
         _err.print(f"traceback and progress: {run_dir}/ranks/{where}/status.json; log: "
                    f"{run_dir}/ranks/{where}/log.txt", soft_wrap=True, highlight=False)
-        _err.print(f"diagnose: python -m diagnostics doctor {run_dir}", soft_wrap=True, highlight=False)
+        _err.print(f"diagnose: python -m diagnostics doctor {shlex.quote(str(run_dir))}", soft_wrap=True, highlight=False)
         return 1, exc
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
@@ -223,7 +225,7 @@ def _main() -> None:
     try:
         _hydra_main()
     except SystemExit as exc:
-        if exc.code == 1 and not _composed:
+        if exc.code == 1 and not _composed and rundir.refused_with is None:  # a full disk at the claim stays 1
             sys.exit(2)
         raise
 

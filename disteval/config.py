@@ -26,11 +26,16 @@ SAMPLERS = ("exact", "padded", "drop_last")
 AGGREGATES = ("mean", "median", "sigma_clip")
 
 
-def _finite_positive(key: str, value: Any, nullable: bool = False) -> None:
+def _finite_positive(key: str, value: Any, nullable: bool = False, most: float | None = None) -> None:
     if value is None and nullable:
         return
     if value is None or not math.isfinite(float(value)) or float(value) <= 0:
         raise ConfigError(key, f"must be a finite number > 0{' or null' if nullable else ''}, got {value}")
+    if most is not None and float(value) > most:
+        raise ConfigError(key, f"must be at most {most:g}, got {value}")
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: beyond it a timeout is a typo (and 1e300 overflows the backends)
 
 
 def _at_least(key: str, value: Any, low: int, nullable: bool = False) -> None:
@@ -189,8 +194,8 @@ class CommunicationConfig:
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``communication.*`` key."""
-        _finite_positive("communication.timeout_s", self.timeout_s)
-        _finite_positive("communication.sync_timeout_s", self.sync_timeout_s, nullable=True)
+        _finite_positive("communication.timeout_s", self.timeout_s, most=MAX_TIMEOUT_S)
+        _finite_positive("communication.sync_timeout_s", self.sync_timeout_s, nullable=True, most=MAX_TIMEOUT_S)
         _at_least("communication.async_threshold_bytes", self.async_threshold_bytes, 0, nullable=True)
         _at_least("communication.chunk_bytes", self.chunk_bytes, 1)
         _at_least("communication.max_in_flight", self.max_in_flight, 1)
@@ -268,6 +273,7 @@ class EvalConfig:
             raise ConfigError("eval.trial_aggregate", f"{self.trial_aggregate!r} is not one of {list(AGGREGATES)}")
         _finite_positive("eval.clip_sigma", self.clip_sigma)
         _finite_positive("eval.outlier_z", self.outlier_z)
+        _finite_positive("eval.status_interval_s", self.status_interval_s, most=3600.0)
         if not self.metrics:
             raise ConfigError("eval.metrics", "needs at least one metric family")
         if not self.topk or any(k < 1 for k in self.topk):

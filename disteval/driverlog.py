@@ -76,5 +76,6 @@ def finished(run_dir: str, code: int) -> None:
         ev_text = "" if evaluation is None else f" (evaluation {evaluation:.2f} s)"
         step(f"done{took_text}{ev_text}; results: {Path(run_dir) / 'results.json'}; driver log: {driver_log}")
         return
-    what = {2: "stopped before any rank started (configuration error)", 130: "interrupted"}.get(code, "run failed")
+    what = {2: "stopped before any rank started (configuration error)", 130: "interrupted", 143: "interrupted"}.get(
+        code, "run failed")
     step(f"{what}{took_text}, exit code {code}; records: {run_dir}; driver log: {driver_log}", logging.ERROR)

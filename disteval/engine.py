@@ -282,7 +282,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             run.outcomes.append(run.trial())
             ctx.status.update(trial=trial + 1, force=True)
         results = run.finish(t_total)
-        ctx.status.update(phase="done", force=True)
+        ctx.status.done()
         run.ckpt_path.unlink(missing_ok=True)
         return results
     except BaseException as exc:

@@ -300,6 +300,15 @@ class StatusWriter:
             except OSError:
                 pass
 
+    def done(self) -> None:
+        """Record phase ``done`` (the rank's work, and on rank 0 results.json, is written). Never raises OSError:
+        a disk that fills after the results were written must not turn a finished run into a failed one that
+        leaves results behind; the run's reserve is released for this record if needed."""
+        with self._lock:
+            self.record.update(phase="done", t_progress=time.time(), t_update=time.time())
+            if write_record_or_reserve(status_path(self.run_dir, self.rank), self.record, self.run_dir):
+                self._last_write = time.time()
+
     def fail(self, exc: BaseException) -> None:
         """Record ``exc`` (``error_record``) and phase ``failed``. Never raises OSError: on a full disk the run's
         reserve is released for this record."""

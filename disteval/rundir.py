@@ -59,13 +59,15 @@ class RunDirBusy(DistevalError):
 
 
 class RunDirOccupied(DistevalError):
-    """The run directory holds the results of a finished run and ``eval.overwrite`` is false."""
+    """The run directory holds the results of a finished run and ``eval.overwrite`` is false. ``key``: the
+    setting that chooses the directory (hydra.run.dir, or hydra.sweep.dir for a sweep)."""
 
-    def __init__(self, run_dir: str, results: Path):
+    def __init__(self, run_dir: str, results: Path, key: str = "hydra.run.dir"):
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(results.stat().st_mtime))
+        where = run_dir if key == "hydra.run.dir" else str(Path(run_dir).parent)
         super().__init__(f"run directory {run_dir} holds the results of a finished run ({results.name}, written "
-                         f"{created}); refusing to overwrite them: choose another hydra.run.dir, or add "
-                         f"eval.overwrite=true to move the old records to {run_dir}/{PREVIOUS}/ first")
+                         f"{created}); refusing to overwrite them: choose another {key}, or add "
+                         f"eval.overwrite=true to move the old records to {where}/{PREVIOUS}/ first")
 
 
 def _read_holder(fd: int) -> dict:
@@ -100,7 +102,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> str | None:
         raise RunDirBusy(str(path), holder) from None
     old = _read_holder(fd)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "t_start": time.time(),
-              "argv": list(sys.argv), "released": False}
+              "argv": list(sys.argv), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "released": False}
     try:
         _write_holder(fd, holder)
     except OSError as exc:
@@ -136,6 +138,7 @@ def archive_previous_run(run_dir: str | os.PathLike, overwrite: bool, names: tup
     run_dir = Path(run_dir)
     if (run_dir / "results.json").exists() and not overwrite:
         raise RunDirOccupied(str(run_dir), run_dir / "results.json")
+    (run_dir / ".disteval-reserve").unlink(missing_ok=True)  # a dead driver's disk reserve: space, not a record
     old = [run_dir / name for name in names if (run_dir / name).exists()]
     if not old:
         return None
@@ -193,7 +196,12 @@ def _refuse(exc: BaseException) -> None:
     full = isinstance(exc, OSError) and (isinstance(exc, DiskFullError) or not isinstance(exc, DistevalError))
     head = "run failed[/] cannot claim the run directory:" if full else "configuration error[/]"
     Console(stderr=True).print(f"[bold red]disteval: {head} {escape(str(exc))}", soft_wrap=True, highlight=False)
-    raise SystemExit(1 if full else 2)
+    global refused_with
+    refused_with = 1 if full else 2
+    raise SystemExit(refused_with)
+
+
+refused_with: int | None = None  # the exit code of a refusal by RunDirGuard (python -m disteval keeps it)
 
 
 def external_rank() -> int | None:
@@ -206,17 +214,21 @@ def external_rank() -> int | None:
 
 class RunDirGuard(Callback):
     """Hydra callback (conf/config.yaml ``hydra.callbacks.run_dir_guard``): claim ``hydra.run.dir`` before Hydra
-    writes .hydra/ into it (``on_run_start``); before a multirun, refuse a sweep directory whose job folders
-    hold a live run, or finished results without ``eval.overwrite=true``, and with it archive them
-    (``on_multirun_start``)."""
+    writes .hydra/ into it (``on_run_start``; under an external launcher the other ranks only check that the
+    directory holds no finished run and no other run's lock, so that a refused rerun writes nothing there);
+    for a multirun, lock the sweep directory for the sweep's duration, refuse it when it holds a live run, or
+    finished results without ``eval.overwrite=true``, and with it move everything of the earlier sweep to
+    SWEEP_DIR/previous/<time>-<pid>/ (``on_multirun_start``; released in ``on_multirun_end``)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        if external_rank() not in (None, 0):
-            return
+        run_dir = str(config.hydra.run.dir)
         overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
         try:
+            if external_rank() not in (None, 0):
+                _check_shared(run_dir, overwrite)
+                return
             names = RECORDS if external_rank() is None else SHARED_RECORDS
-            for note in claim_run_dir(str(config.hydra.run.dir), overwrite, names):
+            for note in claim_run_dir(run_dir, overwrite, names):
                 print(f"disteval: warning: {note}", file=sys.stderr)
         except (DistevalError, OSError) as exc:
             _refuse(exc)
@@ -224,18 +236,38 @@ class RunDirGuard(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
         overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
-        jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name != PREVIOUS) if sweep.is_dir() else []
         try:
-            for job in jobs:
+            note = lock_run_dir(sweep)  # a second sweep into this directory is refused while this one runs
+            if note:
+                print(f"disteval: warning: {note}", file=sys.stderr)
+            old = sorted(p for p in sweep.iterdir() if p.name not in (PREVIOUS, LOCK))
+            for job in (p for p in old if p.is_dir()):
                 holder = is_locked(job)
                 if holder is not None:
                     raise RunDirBusy(str(job), holder)
                 if (job / "results.json").exists() and not overwrite:
-                    raise RunDirOccupied(str(job), job / "results.json")
-            for job in jobs:
-                moved = archive_previous_run(job, overwrite)
-                if moved is not None:
-                    print(f"disteval: warning: the records of an earlier run in {job} were moved to {moved}",
-                          file=sys.stderr)
+                    raise RunDirOccupied(str(job), job / "results.json", "hydra.sweep.dir")
+            if old:
+                dest = sweep / PREVIOUS / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                dest.mkdir(parents=True)
+                for p in old:
+                    os.replace(p, dest / p.name)
+                print(f"disteval: warning: the earlier sweep's records in {sweep} were moved to {dest}", file=sys.stderr)
         except (DistevalError, OSError) as exc:
+            release_run_dir(sweep)
             _refuse(exc)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        release_run_dir(str(config.hydra.sweep.dir))
+
+
+def _check_shared(run_dir: str, overwrite: bool) -> None:
+    """For ranks 1..W-1 of an external launcher, before Hydra writes into the shared directory: raise
+    RunDirOccupied when it holds a finished run's results (and not ``overwrite``), RunDirBusy when another run
+    (another TORCHELASTIC_RUN_ID) holds its lock."""
+    path = Path(run_dir)
+    if (path / "results.json").exists() and not overwrite:
+        raise RunDirOccupied(run_dir, path / "results.json")
+    holder = is_locked(path)
+    if holder is not None and holder.get("run_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
+        raise RunDirBusy(run_dir, holder)

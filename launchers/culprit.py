@@ -12,13 +12,14 @@ stopped first; else a rank that stopped in init/data/forward without recording a
 failed (died silently or hung), the one whose progress stopped first, never one waiting in a collective
 with a fresh heartbeat; else a rank that never started; else, when every rank recorded a consequence, the
 rank that had not finished its shard while others had (the slow one they waited for); else the earliest
-network error. Records without heartbeat fields (older runs) skip the heartbeat parts of the rule.
+network error. A rank that recorded an interrupt (SIGINT/SIGTERM) while its peers did not is the culprit after
+the blamed rank (a signal sent to it alone). Records without heartbeat fields (older runs) skip the heartbeat parts of the rule.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disteval.records import is_network_error, read_status, recorded_progress
+from disteval.records import INTERRUPT_TYPES, is_network_error, read_status, recorded_progress
 
 
 @dataclass
@@ -51,6 +52,12 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     if blamed is not None:
         r, err = blamed
         return Culprit(r, err["message"], err.get("traceback", ""))
+    interrupted = sorted(e for e in errors if e[2]["error"].get("type") in INTERRUPT_TYPES)
+    if interrupted and len(interrupted) < len(records):  # a signal sent to some ranks, not Ctrl-C on the whole run
+        _, r, s = interrupted[0]
+        err = s["error"]
+        return Culprit(r, f"rank {r} was interrupted from outside ({err['type']}: {str(err['message'])[:200]}): a "
+                          "signal (SIGINT/SIGTERM) reached that rank's process alone, not the run", err.get("traceback", ""))
     first = heartbeat_stopped_first(records)
     if first is not None:
         r, gap = first

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -34,6 +35,19 @@ def _death(failure) -> str:
     if message and not message.startswith(("<", "To enable traceback")):
         return f"exited with code {code} ({message.strip().splitlines()[-1][:300]})"
     return f"exited with code {code}"
+
+
+_DISK_FULL = re.compile(r"DiskFullError: .*?\((ENOSPC|EDQUOT)\) writing (.+?): it needed ([\d,]+) bytes")
+
+
+def disk_full_from_message(message: str) -> dict:
+    """The fields of a DiskFullError (``disteval.errors``) from its message, as a rank that could not write any
+    record reported it to the launcher; {} when the message is not one."""
+    m = _DISK_FULL.search(message or "")
+    if not m:
+        return {}
+    return {"type": "DiskFullError", "errno": m.group(1), "path": m.group(2),
+            "bytes_needed": int(m.group(3).replace(",", "")), "free_bytes": None}
 
 
 class Reaper:
@@ -97,14 +111,19 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn", shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
+    reaper = Reaper(run_dir, world_size)
     try:
-        with Reaper(run_dir, world_size):
+        with reaper:
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items()}
-        culprit = find_culprit(run_dir, world_size, deaths)
+        # ranks the reaper killed after another rank failed are consequences, never the culprit
+        culprit = find_culprit(run_dir, world_size, {r: d for r, d in deaths.items() if r not in reaper.killed})
+        deaths.update({r: "was stopped by the launcher (SIGKILL) after another rank failed" for r in reaper.killed})
         error = RankFailedError(culprit.rank, culprit.message, deaths)
         recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
+        if not recorded and culprit.rank is not None:  # no record of its own (the disk was full from the start)
+            recorded = disk_full_from_message(deaths.get(culprit.rank, ""))
         if recorded.get("errno"):  # a full disk: keep its type and details for launch.json
             error.error_type = recorded.get("type")
             error.error_details = {k: recorded.get(k) for k in ("errno", "path", "bytes_needed", "free_bytes")}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -226,7 +227,7 @@ def _report_run(ret: JobReturn, run_dir: Path) -> int:
     err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
     err.print(f"records: {run_dir}/job.json, {run_dir}/ranks/rank*/status.json and log.txt, submitit's logs in "
               f"{run_dir}/.submitit/", soft_wrap=True, highlight=False)
-    err.print(f"diagnose: python -m diagnostics doctor {run_dir}", soft_wrap=True, highlight=False)
+    err.print(f"diagnose: python -m diagnostics doctor {shlex.quote(str(run_dir))}", soft_wrap=True, highlight=False)
     return 1
 
 

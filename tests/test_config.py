@@ -101,7 +101,9 @@ def test_checkout_uses_its_conf_folder():
     ("eval.exclude_outlier_ranks=true,data.sampler=padded", "eval.exclude_outlier_ranks"),
     ("eval.exclude_outlier_ranks=true,eval.metrics=[ranking]", "eval.exclude_outlier_ranks"),
     ("dist.master_port=70000", "dist.master_port"), ("dist.master_port=65536", "dist.master_port"),
-    ("dist.master_port=-1", "dist.master_port")])
+    ("dist.master_port=-1", "dist.master_port"), ("communication.timeout_s=1e300", "communication.timeout_s"),
+    ("communication.sync_timeout_s=1e300", "communication.sync_timeout_s"),
+    ("eval.status_interval_s=0", "eval.status_interval_s"), ("eval.status_interval_s=nan", "eval.status_interval_s")])
 def test_robust_aggregation_settings_refused_before_ranks(override, key):
     from disteval.errors import ConfigError
     from disteval.preflight import validate_config

@@ -257,10 +257,58 @@ def test_a_reused_sweep_directory_is_refused_then_archived_with_overwrite(tmp_pa
     assert again.returncode == 2 and "eval.overwrite=true" in again.stderr, again.stderr[-2000:]
     assert [load_results(j) for j in jobs] == before
 
-    over = multirun("eval.overwrite=true")
-    assert over.returncode == 0, over.stderr[-2000:]
-    for j, old in zip(jobs, before):
-        kept = list((j / "previous").iterdir())
-        assert len(kept) == 1 and json.loads((kept[0] / "results.json").read_text()) == old
-        assert (kept[0] / ".hydra" / "config.yaml").exists() and (j / ".hydra" / "config.yaml").exists()
-        assert load_results(j)["created"] > old["created"]
+    # a second sweep into the directory of a live one is refused before it writes anything
+    live = subprocess.Popen([sys.executable, "-m", "disteval", "-m", "data.limit=40", "dist.world_size=1",
+                             f"hydra.sweep.dir={sweep}", "eval.overwrite=true", *QUICK], cwd=tmp_path, text=True,
+                            env={**os.environ, "DISTEVAL_FAULTS": "delay@0:batch=1,seconds=6"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_phase(sweep / "0", range(1), "forward")
+    rival = multirun("eval.overwrite=true")
+    assert rival.returncode == 2 and f"run directory {sweep} is in use by another run: pid {live.pid}" in \
+        " ".join(rival.stderr.split()), rival.stderr[-2000:]
+    live.communicate(timeout=240)
+    assert live.returncode == 0
+    kept = [p for p in (sweep / "previous").iterdir()]
+    assert len(kept) == 1  # the first sweep, whole: both jobs with their configs, its summary
+    for name, old in zip(("0", "1"), before):
+        assert json.loads((kept[0] / name / "results.json").read_text()) == old
+        assert (kept[0] / name / ".hydra" / "config.yaml").exists()
+    assert (kept[0] / "summary.csv").exists() and not (sweep / "1").exists()  # no stale job of the old sweep
+    assert load_results(sweep / "0")["dataset"]["num_samples"] == 40
+
+
+def test_a_signal_sent_to_one_rank_names_that_rank(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "dist.world_size=2", env={"DISTEVAL_FAULTS": "delay@*:batch=1,seconds=30"})
+    wait_for_phase(run, range(2), "forward")
+    os.kill(status(run, 1)["pid"], signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    launch = json.loads((run / "launch.json").read_text())
+    assert launch["error"]["rank"] == 1 and "rank 1 was interrupted from outside" in launch["error"]["message"]
+    assert "launcher" in launch["error"]["deaths"].get("0", "launcher")  # rank 0 was only stopped by the launcher
+
+
+def test_a_refused_torchrun_rerun_writes_nothing_into_a_finished_run(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "disteval",
+           f"hydra.run.dir={run}", *QUICK, "communication.timeout_s=20"]
+    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".disteval.lock"}
+    again = subprocess.run(cmd + ["data.limit=100", "seed=5"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode != 0 and "eval.overwrite=true" in again.stderr, again.stderr[-2000:]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".disteval.lock"} == snapshot
+
+
+def test_a_rank_without_any_record_still_reports_a_full_disk_to_the_launcher():
+    """A rank that cannot even write its first status record tells the launcher only its error message; the
+    launcher recovers the DiskFullError's fields from it for launch.json."""
+    from disteval.errors import DiskFullError
+    from launchers.local import disk_full_from_message
+
+    exc = DiskFullError("/runs/a b/ranks/rank1/status.json", 1234, 0)
+    fields = disk_full_from_message(f"exited with code 1 (DiskFullError: {exc})")
+    assert fields == {"type": "DiskFullError", "errno": "ENOSPC", "path": "/runs/a b/ranks/rank1/status.json",
+                      "bytes_needed": 1234, "free_bytes": None}
+    assert disk_full_from_message("exited with code 1 (RuntimeError: boom)") == {}
