@@ -14,6 +14,7 @@ import time
 
 from omegaconf import OmegaConf
 
+from disteval.faults import parse as parse_faults
 from disteval.records import is_network_error, recorded_progress
 from launchers.culprit import CONSEQUENCE_TYPES, is_consequence
 
@@ -225,12 +226,17 @@ def _driver_running(run: Run, ev: list[Evidence]) -> Finding:
     if inline:  # world size 1: the driver ran rank 0 in its own process, so the rank died with it
         r = inline[0]
         drill = launch.get("faults") or ""
+        # the rank is to blame only when the records say it killed itself (a kill drill aimed at it); a kill of the
+        # process from outside is the driver's death, as at any world size
+        own = any(f.kind == "kill" and f.hits(r) for f in _drill_faults(drill))
         return Finding("INIT", "launch", "fail", f"{who} died (SIGKILL or a crash) without recording an outcome while "
-                       f"it ran rank {r} itself (world size 1): {view.why} ({phases})",
+                       f"it ran rank {r} itself (world size 1): {view.why}"
+                       + (f"; rank {r} killed itself (launch.json faults={drill})" if own else "") + f" ({phases})",
                        ev + [Evidence(f"ranks/rank{r}/status.json", str(launch.get("pid")), field="pid")],
                        Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it" if drill else
                               "nothing recorded says why the process died (dmesg tells whether the out-of-memory killer "
-                              "chose it): rerun once that is known", changes_cause=False), culprit=r, phase="running")
+                              "chose it): rerun once that is known", changes_cause=False),
+                       culprit=r if own else None, phase="running")
     return Finding("INIT", "launch", "fail", f"{who} died (SIGKILL or a crash) without recording an outcome: {view.why}; "
                    f"no rank is to blame ({phases})", ev,
                    Remedy([], "nothing recorded says why the driver died (dmesg tells whether the out-of-memory killer "
@@ -509,3 +515,12 @@ def init_config_agree(run: Run, probes: dict | None) -> Finding:
                                                                                    for r in odd],
                        culprit=odd[0], phase="init")
     return Finding("INIT", "config_agree", "pass", f"all {len(digests)} ranks ran the same configuration")
+
+
+def _drill_faults(text: str) -> list:
+    """The faults of launch.json's ``faults`` (DISTEVAL_FAULTS as the driver saw it); [] when unparsable."""
+    try:
+        return parse_faults(text)
+    except ValueError:
+        return []
+

@@ -116,10 +116,9 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         with reaper:
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
-        deaths = {int(rank): _death(f) for rank, f in exc.failures.items()}
-        # ranks the reaper killed after another rank failed are consequences, never the culprit
-        culprit = find_culprit(run_dir, world_size, {r: d for r, d in deaths.items() if r not in reaper.killed})
-        deaths.update({r: "was stopped by the launcher (SIGKILL) after another rank failed" for r in reaper.killed})
+        # ranks the reaper killed after another rank failed are consequences: not deaths of their own
+        deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
+        culprit = find_culprit(run_dir, world_size, deaths)
         error = RankFailedError(culprit.rank, culprit.message, deaths)
         recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
         if not recorded and culprit.rank is not None:  # no record of its own (the disk was full from the start)
