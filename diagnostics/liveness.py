@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disteval.records import boot_id, process_state
+
 from diagnostics.evidence import Evidence
 
 DRIVER_HEARTBEAT_S = 2.0   # launch.json's heartbeat period when the record does not say
@@ -26,30 +28,6 @@ ALMOST_FULL_BYTES = 8 << 20  # at most this little free space (and under 1 % of 
 def stale_after(heartbeat_s: float | None, default: float = RANK_HEARTBEAT_S) -> float:
     """Seconds after which a heartbeat is stale: three beats, at least ``MIN_STALE_S``."""
     return max(3.0 * float(heartbeat_s or default), MIN_STALE_S)
-
-
-def this_boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` on this machine (R, S, D, T stopped, Z zombie, ...), "?" when it
-    exists but /proc cannot say, None when there is no such process."""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    except (OverflowError, ValueError):
-        return None
-    try:
-        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return "?"
 
 
 def process_start(pid: int) -> float | None:
@@ -94,7 +72,7 @@ def examine(record: dict, source: str, default_beat_s: float, now: float | None 
     ev = [Evidence(source, str(host), field="host"), Evidence(source, str(pid), field="pid")]
     age, fresh, hb_ev = heartbeat(record, source, now, default_beat_s)
     ev += hb_ev
-    here, mine = socket.gethostname(), this_boot_id()
+    here, mine = socket.gethostname(), boot_id()
     beat_text = f"its heartbeat is {age:.0f} s old" if age is not None else "it records no heartbeat"
     if host == here and boot and mine and boot != mine:
         ev.append(Evidence(source, str(boot), field="boot_id"))

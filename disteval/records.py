@@ -160,20 +160,28 @@ def boot_id() -> str | None:
         return None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` on this machine (R, S, D, T stopped, Z zombie, ...), "?" when it
+    exists but /proc cannot say, None when there is no such process."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    except (OverflowError, ValueError):
+        return None
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return "?"
+
+
 def pid_alive(pid: int | None) -> bool | None:
     """Whether process ``pid`` exists on this machine (a zombie counts as gone); None when ``pid`` is None."""
     if not pid:
         return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{int(pid)}/stat").read_text().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
+    return process_state(pid) not in (None, "Z")
 
 
 RESERVE = ".disteval-reserve"
