@@ -146,8 +146,8 @@ def parent_to_watch(launched: bool) -> int | None:
 def record_driver_death(parent_pid: int | None) -> None:
     """Make SIGINT raise DriverDiedError when this rank's launcher is gone. torch's spawn start asks the kernel
     to send a rank SIGINT when its parent dies (PR_SET_PDEATHSIG), so a killed driver reaches the rank as an
-    interrupt; it is then recorded as what it is. A SIGINT with the launcher alive stays a KeyboardInterrupt.
-    Main thread only."""
+    interrupt; it is then recorded as what it is, and later SIGINTs are ignored (the kernel sends one per exiting
+    thread of the launcher). A SIGINT with the launcher alive stays a KeyboardInterrupt. Main thread only."""
     if not parent_pid:
         return
 
@@ -156,6 +156,10 @@ def record_driver_death(parent_pid: int | None) -> None:
         while os.getppid() == parent_pid and pid_alive(parent_pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         if os.getppid() != parent_pid or not pid_alive(parent_pid):
+            # The kernel sends PDEATHSIG each time this rank is re-parented, i.e. once per exiting thread of the
+            # dying launcher: a second SIGINT milliseconds later would raise again inside the except block that
+            # records this error, and the rank would die with no record. One is enough.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             raise DriverDiedError(f"the process that launched this rank (pid {parent_pid}) is gone (killed or "
                                   "crashed): the rank stops itself; no results are written")
         signal.default_int_handler(signum, frame)
