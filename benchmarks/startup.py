@@ -1,18 +1,24 @@
 """Where the start-up of ``python -m disteval`` goes: time to the first console line, each progress line, and
 the phases read from the run's records.
 
-    python benchmarks/startup.py [--repeats 3] [--cold-cache] [--no-imports] [overrides ...]
+    python benchmarks/startup.py [--repeats 3] [--cold-cache] [--no-imports] [--smoke] [overrides ...]
 
 Runs ``python -m disteval hydra.run.dir=TMP/runK [overrides]`` ``--repeats`` times (default job: the shipped
 CNN on digits, 2 local ranks) from a folder outside the checkout, timestamps every stdout/stderr line as it
-arrives (seconds since the process was started), and prints per run:
+arrives (seconds since the process was started), and prints per run the first line and its time, then every
+``disteval:`` progress line (stderr) with its time; then one table, a column per run, of:
 
-- the first line and its time, then every ``disteval:`` progress line (stderr) with its time;
+- the first line's time;
 - phases from the records (wall clock, same machine): the driver's launch record (config composed), each
   rank's status record created (the rank process is up and has imported the engine), the rank joined the
   process group, the rank's data + model load (results.json ``per_rank[].seconds.load``), results.json
   written, the driver's launch record finished, and the process exit;
 - results.json's ``timings`` (``evaluation_s``/``total``, and ``process_wall_s`` where the run records it).
+
+Checked, and the benchmark exits 1 naming the problem (never on a
+time): every run exits 0, prints a first line, records every phase, writes results.json whose ranks evaluated
+every sample once (coverage ok, per-rank samples add up to the dataset's size), and every module imports.
+``--smoke``: 1 run and the import time of disteval.cli only (seconds).
 
 ``--cold-cache`` gives every run an empty ``DISTEVAL_CACHE_DIR`` (the digits split is then built with
 scikit-learn in every rank, as on a machine's first run). Then (unless ``--no-imports``) the import time of the
@@ -92,19 +98,43 @@ def phases(run_dir: Path, t0: float) -> list[tuple[str, float | None]]:
     return out
 
 
-def import_times() -> dict[str, float]:
-    """Cumulative import time (s) of each module of IMPORTS in a fresh interpreter."""
-    out = {}
+def import_times(modules: tuple[str, ...] = IMPORTS) -> tuple[dict[str, float], list[str]]:
+    """Cumulative import time (s) of each module in a fresh interpreter, and the modules that failed to import
+    (with the last line of their error)."""
+    out, failed = {}, []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    for module in IMPORTS:
+    for module in modules:
         proc = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], env=env,
                               capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed.append(f"import {module} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
         rows = [line.split("|") for line in proc.stderr.splitlines() if line.startswith("import time:")]
         out[module] = max((int(r[1]) for r in rows[1:] if r[1].strip().isdigit()), default=0) / 1e6
-    return out
+    return out, failed
 
 
-def _report(k: int, run: dict, run_dir: Path) -> float | None:
+def check_run(k: int, run: dict, run_dir: Path, marks: list[tuple[str, float | None]]) -> list[str]:
+    """Mismatches of run ``k``: a non-zero exit, no console line, a phase missing from the records, no
+    results.json, an incomplete coverage or per-rank samples that do not add up to the dataset's."""
+    problems = [f"run {k}: {label} missing from the records" for label, t in marks if t is None]
+    if run["returncode"] != 0:
+        tail = "\n".join(text for _, _, text in run["lines"][-15:])
+        problems.append(f"run {k}: exit code {run['returncode']}\n{tail}")
+    if not run["lines"]:
+        problems.append(f"run {k}: printed nothing")
+    res = _load(run_dir / "results.json")
+    if not res:
+        return problems + [f"run {k}: no results.json"]
+    samples, expected = sum(int(p["samples"]) for p in res["per_rank"]), res["dataset"]["num_samples"]
+    if samples != expected or not res["coverage"]["ok"]:
+        problems.append(f"run {k}: ranks evaluated {samples} samples of {expected} (coverage {res['coverage']})")
+    if len(res["per_rank"]) != res["world_size"]:
+        problems.append(f"run {k}: {len(res['per_rank'])} per-rank records for world size {res['world_size']}")
+    return problems
+
+
+def _report(k: int, run: dict) -> float | None:
+    """Print run ``k``'s exit, first line and progress lines; returns the first line's time."""
     first = run["lines"][0] if run["lines"] else None
     print(f"run {k}: exit code {run['returncode']}, process wall {run['exit_s']:.2f} s")
     if first:
@@ -112,36 +142,74 @@ def _report(k: int, run: dict, run_dir: Path) -> float | None:
     for t, name, text in run["lines"][1:]:
         if name == "err" and text.startswith("disteval:"):
             print(f"  {t:6.2f} s  {text[:100]}")
-    for label, t in phases(run_dir, run["t0"]):
-        print(f"  {'' if t is None else f'{t:6.2f} s'}  {label}")
-    timings = _load(run_dir / "results.json").get("timings", {})
-    print("  results.json timings: " + ", ".join(f"{k_}={v:.2f}" for k_, v in timings.items()
-                                                  if isinstance(v, (int, float))))
     return first[0] if first else None
 
 
-def main() -> None:
+def _marks(run: dict, run_dir: Path) -> list[tuple[str, float | None]]:
+    """(label, seconds since the process start) of run's first line, the records' phases and its exit."""
+    first = run["lines"][0][0] if run["lines"] else None
+    return [("first console line", first), *phases(run_dir, run["t0"]), ("process exit", run["exit_s"])]
+
+
+def phase_table(all_marks: list[list[tuple[str, float | None]]], timings: list[dict]):
+    """One row per phase (and results.json timing), one column per run; '-' where a phase has no record."""
+    from rich.table import Table
+
+    table = Table(title=f"start-up phases (s since the process start, {len(all_marks)} run(s))")
+    table.add_column("phase")
+    for k in range(len(all_marks)):
+        table.add_column(f"run {k}", justify="right")
+    for i, (label, _) in enumerate(all_marks[0]):
+        table.add_row(label, *("-" if m[i][1] is None else f"{m[i][1]:.2f}" for m in all_marks))
+    for key in sorted({k_ for t in timings for k_, v in t.items() if isinstance(v, (int, float))}):
+        table.add_row(f"results.json timings.{key}", *(_fmt(t.get(key)) for t in timings))
+    return table
+
+
+def _fmt(x) -> str:
+    """A number with 2 decimals, '-' otherwise."""
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def main() -> int:
+    """The runs, the phase table, the import times and the checks; 1 on a problem."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-imports", action="store_true", help="skip the per-module import times")
     ap.add_argument("--cold-cache", action="store_true", help="an empty DISTEVAL_CACHE_DIR for every run")
+    ap.add_argument("--smoke", action="store_true", help="1 run, import time of disteval.cli only (seconds)")
     args, overrides = ap.parse_known_args()
-    firsts, walls = [], []
+    if args.smoke:
+        args.repeats = 1
+    from rich.console import Console
+
+    firsts, walls, all_marks, timings, problems = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):
             run_dir = Path(tmp) / f"run{k}"
             run = run_once(run_dir, overrides, Path(tmp) / f"cache{k}" if args.cold_cache else None)
-            first = _report(k, run, run_dir)
+            first = _report(k, run)
             if first is not None:
                 firsts.append(first)
             walls.append(run["exit_s"])
+            all_marks.append(_marks(run, run_dir))
+            timings.append(_load(run_dir / "results.json").get("timings", {}))
+            problems += check_run(k, run, run_dir, all_marks[-1])
+    Console(width=max(Console().width, 120)).print(phase_table(all_marks, timings))
     if firsts:
         print(f"median over {len(walls)} runs: first line {statistics.median(firsts):.2f} s, "
               f"process wall {statistics.median(walls):.2f} s")
     if not args.no_imports:
-        for module, s in import_times().items():
+        times, failed = import_times(IMPORTS[:1] if args.smoke else IMPORTS)
+        problems += failed
+        for module, s in times.items():
             print(f"import {module}: {s:.2f} s (fresh interpreter, cumulative)")
+    if problems:
+        print("MISMATCH: " + "\n".join(problems))
+        return 1
+    print(f"checks passed: {args.repeats} run(s) exited 0 with every phase recorded and every sample evaluated once")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -300,3 +300,129 @@ def test_more_categories_than_int16():
     # one of two ground truths found at precision 1: 51 of the 101 recall points reach it
     assert out["AP"] == pytest.approx(51 / 101, rel=1e-12)
     assert out["AR100"] == 0.5
+
+
+def _fake_share(world_size):
+    """``share`` callables of W ranks in one process (``Communicator.broadcast_bytes``' contract): rank 0's
+    call records the payload, the others receive it; also returns the list of payloads seen."""
+    sent = []
+
+    def share(payload):
+        if payload is not None:
+            sent.append(payload)
+        return sent[-1]
+    return share, sent
+
+
+@pytest.mark.parametrize("iou_type", ["bbox", "segm"])
+def test_results_parsed_once_and_shared(tmp_path, iou_type):
+    """Rank 0 parses the results file; the other ranks rebuild the same arrays (and RLEs) from its compact
+    payload, and their statistics equal pycocotools'."""
+    from disteval.data.coco_synthetic import make_synthetic_coco
+    from disteval.data.coco_wire import load_detections_shared
+
+    gt_path, dt_path = make_synthetic_coco(tmp_path, num_images=20, num_categories=4, dets_per_image=40, seed=5,
+                                           iou_type=iou_type, image_size=(160, 120))
+    want, _ = pycocotools_stats(gt_path, dt_path, iou_type)
+    gt = load_ground_truth(gt_path)
+    share, sent = _fake_share(3)
+    per_rank = [load_detections_shared(dt_path, gt, iou_type, r, share) for r in range(3)]
+    assert len(sent) == 1 and len(sent[0]) < dt_path.stat().st_size
+    for dets in per_rank[1:]:
+        for f in ("image", "category", "score", "box", "area"):
+            assert np.array_equal(getattr(dets, f), getattr(per_rank[0], f)), f
+    metrics = []
+    for r, part in enumerate(np.array_split(np.arange(gt.num_images), 3)):
+        m = CocoDetectionMetric(gt, iou_type)
+        m.add_detections(part, per_rank[r].select(part))
+        metrics.append(m)
+    metrics[0].merge_state(metrics[1:])
+    assert _stats(metrics[0].compute()) == want
+
+
+def test_shared_results_error_reaches_every_rank(tmp_path):
+    from disteval.data.coco_wire import load_detections_shared
+
+    gt_path, dt_path = _tiny_set(tmp_path)
+    dt_path.write_text('[{"image_id": 5, "category_id": 1,\n  "bbox": [0, 0, 1, 1],\n  "score": .5}]')
+    gt = load_ground_truth(gt_path)
+    share, _ = _fake_share(2)
+    messages = []
+    for rank in (0, 1):
+        with pytest.raises(DataError) as info:
+            load_detections_shared(dt_path, gt, "bbox", rank, share)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and "dt.json is not valid JSON" in messages[0]
+    assert "line 3 column 12" in messages[0], messages[0]  # the stray '.5'
+
+
+def test_typed_and_generic_reading_agree(tmp_path, monkeypatch):
+    """Entries the typed decode refuses (true for iscrowd, true for a box side) go through the generic path
+    and give the arrays the typed path gives for the plain spelling."""
+    from disteval.data import coco
+
+    generic = []
+    for name in ("_ground_truth_generic", "_detections_generic"):
+        def spy(*args, _f=getattr(coco, name), _name=name):
+            generic.append(_name)
+            return _f(*args)
+        monkeypatch.setattr(coco, name, spy)
+    plain = [{"id": 1, "image_id": 5, "category_id": 1, "bbox": [10, 10, 20, 20], "area": 400, "iscrowd": 1},
+             {"id": 2, "image_id": 8, "category_id": 3, "bbox": [0, 0, 50, 40], "iscrowd": 0}]
+    odd = [dict(plain[0], iscrowd=True), dict(plain[1], extra={"x": [1, None]})]
+    dets = [{"image_id": 5, "category_id": 1, "bbox": [11, 10, 20, 1], "score": 1},
+            {"image_id": 8, "category_id": 3, "bbox": [0, 0, 40, 40], "score": .5}]
+    out = []
+    for anns, d in ((plain, dets), (odd, [dict(dets[0], bbox=[11, 10, 20, True]), dets[1]])):
+        sub = tmp_path / str(len(out))
+        sub.mkdir()
+        gt = load_ground_truth(_tiny_set(sub, d, anns)[0])
+        out.append((gt, load_detections(sub / "dt.json", gt, "bbox")))
+        assert generic == ([] if len(out) == 1 else ["_ground_truth_generic", "_detections_generic"])
+    (a, da), (b, db) = out
+    for f in ("image_ids", "heights", "widths", "category_ids", "ann_image", "ann_category", "ann_box",
+              "ann_area", "ann_crowd", "ann_id"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.ann_area.tolist() == [400.0, 2000.0]
+    assert np.array_equal(da.box[0], [11, 10, 20, 1]) and np.array_equal(da.box, db.box)
+    assert np.array_equal(da.score, db.score)
+
+
+def test_ids_beyond_int64_are_named(tmp_path):
+    gt_path, dt_path = _tiny_set(tmp_path, [{"image_id": 2 ** 64, "category_id": 1, "bbox": [0, 0, 1, 1],
+                                             "score": .5}])
+    with pytest.raises(DataError, match=r"dt.json entry 0: image_id 18446744073709551616 does not fit"):
+        load_detections(dt_path, load_ground_truth(gt_path), "bbox")
+
+
+def test_numbers_beyond_float64_are_named(tmp_path):
+    gt_path, dt_path = _tiny_set(tmp_path, [{"image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": 0.5},
+                                            {"image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1], "score": 1}])
+    dt_path.write_text(dt_path.read_text().replace('"score": 1}', '"score": 1e400}'))
+    with pytest.raises(DataError, match=r"dt.json entry 1: score must be a finite number, got inf"):
+        load_detections(dt_path, load_ground_truth(gt_path), "bbox")
+
+
+@needs_coco
+@pytest.mark.parametrize("iou_type", ["bbox", "segm"])
+def test_typed_reading_equals_generic_on_real_files(iou_type, monkeypatch):
+    """The real val2014 files read through the typed decode and through the generic one (forced): the same
+    arrays, the same RLEs."""
+    from disteval.data import coco
+
+    def read():
+        gt = load_ground_truth(GT)
+        return gt, load_detections(RESULTS[iou_type], gt, iou_type)
+
+    (a, da) = read()
+    monkeypatch.setattr(coco, "decode_typed", lambda data, kind: None)
+    (b, db) = read()
+    for f in ("image_ids", "heights", "widths", "category_ids", "ann_image", "ann_category", "ann_box",
+              "ann_area", "ann_crowd", "ann_id"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.file_names == b.file_names and a.category_names == b.category_names
+    for f in ("image", "category", "score", "box", "area"):
+        assert np.array_equal(getattr(da, f), getattr(db, f)), f
+    if iou_type == "segm":
+        assert [a.rle(i) for i in range(len(a.ann_id))] == [b.rle(i) for i in range(len(b.ann_id))]
+        assert da.segmentation == db.segmentation

@@ -8,31 +8,20 @@ become RLEs through pycocotools.mask with the image's height and width.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
-from disteval.errors import DataError
 from disteval.common.coco_types import DetectionShard, GroundTruthShard, detections_from_arrays
+from disteval.data.coco_json import (UNSET, BoxDetection, GroundTruthFile, SegmDetection, decode_generic, decode_raw,
+                                     decode_typed, read_bytes)
+from disteval.errors import DataError
 
 IOU_TYPES = ("bbox", "segm")
-
-
-def _read_json(path: str | Path, what: str):
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{what} {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
-            from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{what} {path} cannot be read: {exc}") from None
 
 
 def _int_ids(entries: list, key: str, where: str) -> np.ndarray:
@@ -42,7 +31,23 @@ def _int_ids(entries: list, key: str, where: str) -> np.ndarray:
     for i, v in enumerate(values):
         if type(v) is not int:
             raise DataError(f"{where} entry {i}: {key} must be an integer, got {v!r}")
+        if not -2 ** 63 <= v < 2 ** 63:
+            raise DataError(f"{where} entry {i}: {key} {v} does not fit a 64-bit integer")
     return np.array(values, dtype=np.int64)
+
+
+def _column(entries: list, key: str, dtype) -> np.ndarray:
+    """``entries[i].key`` of typed entries (coco_json structs) as one array; OverflowError for an integer
+    outside int64."""
+    return np.fromiter(map(attrgetter(key), entries), dtype, len(entries))
+
+
+def _box_column(entries: list) -> np.ndarray | None:
+    """float64 [n, 4] boxes of typed entries; None when one is non-finite or has a negative size (the
+    generic path then names the entry)."""
+    n = len(entries)
+    box = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), entries)), np.float64, 4 * n).reshape(n, 4)
+    return box if np.isfinite(box).all() and (box[:, 2:] >= 0).all() else None
 
 
 def _numbers(entries: list, key: str, where: str, default=None) -> np.ndarray:
@@ -71,7 +76,8 @@ class CocoGroundTruth:
     """A COCO annotation file as arrays. ``image_ids`` int64 [I] and ``category_ids`` int64 [K] sorted;
     ``heights``/``widths`` int64 [I]; per annotation (file order) ``ann_image`` (image index), ``ann_category``
     (category index), ``ann_box`` float64 [n, 4] xywh, ``ann_area``, ``ann_crowd``, ``ann_id``, and the raw
-    ``ann_segmentation`` objects (converted to RLE on demand, segm only)."""
+    ``ann_segmentation`` objects (decoded JSON, or ``msgspec.Raw`` JSON text from the typed decode; converted
+    to RLE on demand, segm only)."""
 
     path: str
     image_ids: np.ndarray
@@ -134,8 +140,12 @@ class CocoGroundTruth:
     def rle(self, i: int):
         """Annotation ``i``'s segmentation as an RLE (pycocotools' annToRLE)."""
         img = int(self.ann_image[i])
-        return to_rle(self.ann_segmentation[i], int(self.heights[img]), int(self.widths[img]),
-                      f"{self.path} annotation {i} (id {int(self.ann_id[i])})")
+        where = f"{self.path} annotation {i} (id {int(self.ann_id[i])})"
+        try:
+            segm = decode_raw(self.ann_segmentation[i])
+        except Exception as exc:  # noqa: BLE001 - kept raw from a file that decoded: not expected
+            raise DataError(f"{where}: invalid segmentation: {exc}") from None
+        return to_rle(segm, int(self.heights[img]), int(self.widths[img]), where)
 
 
 def to_rle(segm, h: int, w: int, where: str):
@@ -155,10 +165,59 @@ def to_rle(segm, h: int, w: int, where: str):
 
 
 def load_ground_truth(path: str | Path) -> CocoGroundTruth:
-    """Read a COCO annotation JSON. Raises DataError naming the file and entry for malformed JSON, missing
-    keys, duplicate image or category ids, annotations of unknown images or categories, negative box sizes."""
+    """Read a COCO annotation JSON. Raises DataError naming the file and entry for malformed JSON (with line
+    and column), missing keys, duplicate image or category ids, annotations of unknown images or categories,
+    negative box sizes.
+
+    A well-formed file is decoded once, typed (``coco_json.GroundTruthFile``: segmentations stay raw JSON
+    until ``rle`` needs them); a file that does not fit those types is decoded generically and checked entry
+    by entry, so that the error names the entry (``_ground_truth_generic``)."""
     path = str(path)
-    data = _read_json(path, "annotation file")
+    data = read_bytes(path, "annotation file")
+    typed = decode_typed(data, GroundTruthFile)
+    gt = _ground_truth_typed(path, typed) if typed is not None else None
+    return gt if gt is not None else _ground_truth_generic(path, decode_generic(data, path, "annotation file"))
+
+
+def _check_unique(path: str, image_ids: np.ndarray, cat_ids: np.ndarray) -> None:
+    """DataError naming the duplicates among sorted image or category ids."""
+    for name, ids in (("image", image_ids), ("category", cat_ids)):
+        dup = ids[1:][np.diff(ids) == 0]
+        if dup.size:
+            raise DataError(f"annotation file {path}: duplicate {name} ids {sorted(set(dup.tolist()))[:10]}")
+
+
+def _ground_truth_typed(path: str, f: GroundTruthFile) -> CocoGroundTruth | None:
+    """The arrays of a typed annotation file; None where the generic path must judge an entry (a box that
+    is non-finite or of negative size, an id outside int64). Same checks and messages as the generic path."""
+    images = sorted(f.images, key=attrgetter("id"))
+    cats = sorted(f.categories, key=attrgetter("id"))
+    anns = f.annotations
+    try:
+        image_ids, cat_ids = _column(images, "id", np.int64), _column(cats, "id", np.int64)
+        heights, widths = _column(images, "height", np.int64), _column(images, "width", np.int64)
+        ann_image, ann_category = _column(anns, "image_id", np.int64), _column(anns, "category_id", np.int64)
+        ann_id, crowd = _column(anns, "id", np.int64), _column(anns, "iscrowd", np.int64) != 0
+    except OverflowError:
+        return None
+    _check_unique(path, image_ids, cat_ids)
+    box = _box_column(anns)
+    if box is None:
+        return None
+    names = [c.name if c.name is not UNSET else str(c.id) for c in cats]
+    area = np.fromiter((a.area if a.area is not UNSET else a.bbox[2] * a.bbox[3] for a in anns), np.float64,
+                       len(anns))
+    gt = CocoGroundTruth(path, image_ids, heights, widths, [im.file_name for im in images], cat_ids, names,
+                         ann_image, ann_category, box, area, crowd, ann_id,
+                         list(map(attrgetter("segmentation"), anns)))
+    where = f"annotation file {path} annotations"
+    gt.ann_image = gt.image_index(ann_image, where)
+    gt.ann_category = gt.category_index(ann_category, where)
+    return gt
+
+
+def _ground_truth_generic(path: str, data) -> CocoGroundTruth:
+    """The arrays of a generically decoded annotation file, checked entry by entry."""
     if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "annotations",
                                                                                      "categories")):
         raise DataError(f"annotation file {path} must be an object with lists 'images', 'annotations' and "
@@ -171,12 +230,9 @@ def load_ground_truth(path: str | Path) -> CocoGroundTruth:
         file_names = [str(im.get("file_name", "")) for im in images]
         cats = sorted(data["categories"], key=lambda c: c["id"])
         cat_ids = np.array([c["id"] for c in cats], dtype=np.int64)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, OverflowError) as exc:
         raise DataError(f"annotation file {path}: every image and category needs an integer 'id' ({exc})") from None
-    for name, ids in (("image", image_ids), ("category", cat_ids)):
-        dup = ids[1:][np.diff(ids) == 0]
-        if dup.size:
-            raise DataError(f"annotation file {path}: duplicate {name} ids {sorted(set(dup.tolist()))[:10]}")
+    _check_unique(path, image_ids, cat_ids)
     anns = data["annotations"]
     for i, a in enumerate(anns):
         missing = [k for k in ("id", "image_id", "category_id", "bbox") if k not in a]
@@ -220,10 +276,50 @@ class CocoDetections:
 
 def load_detections(path: str | Path, gt: CocoGroundTruth, iou_type: str) -> CocoDetections:
     """Read a COCO results JSON (a list of {image_id, category_id, score, bbox and/or segmentation}).
-    Raises DataError naming the file and entry for malformed JSON, missing keys, unknown image or category
-    ids, non-finite scores and negative box sizes."""
+    Raises DataError naming the file and entry for malformed JSON (with line and column), missing keys,
+    unknown image or category ids, non-finite scores and negative box sizes.
+
+    A well-formed file is decoded once, typed (``coco_json.BoxDetection`` / ``SegmDetection``, no dict per
+    entry); a file that does not fit those types is decoded generically and checked entry by entry
+    (``_detections_generic``), so that the error names the entry."""
     path = str(path)
-    data = _read_json(path, "predictions file")
+    kind = list[BoxDetection] if iou_type == "bbox" else list[SegmDetection]
+    entries = decode_typed(read_bytes(path, "predictions file"), kind)  # the bytes are freed once decoded
+    dets = _detections_typed(path, gt, iou_type, entries) if entries is not None else None
+    if dets is not None:
+        return dets
+    del entries
+    data = read_bytes(path, "predictions file")  # only files with a problem or an unusual entry come here
+    return _detections_generic(path, gt, iou_type, decode_generic(data, path, "predictions file"))
+
+
+def _detections_typed(path: str, gt: CocoGroundTruth, iou_type: str, entries: list) -> CocoDetections | None:
+    """The arrays of typed results entries; None where the generic path must judge an entry (a box that is
+    non-finite, of negative size or missing where the first entry has one, an id outside int64)."""
+    where = f"predictions file {path}"
+    try:
+        image_ids, category_ids = _column(entries, "image_id", np.int64), _column(entries, "category_id", np.int64)
+    except OverflowError:
+        return None
+    score = _column(entries, "score", np.float64)
+    has_box = bool(entries) and (iou_type == "bbox" or entries[0].bbox is not UNSET)  # loadRes' bbox branch
+    box = None
+    if has_box:
+        if iou_type == "segm" and any(e.bbox is UNSET for e in entries):
+            return None
+        box = _box_column(entries)
+        if box is None:
+            return None
+    if not np.isfinite(score).all():
+        return None
+    image = gt.image_index(image_ids, where)
+    category = gt.category_index(category_ids, where)
+    segms = list(map(attrgetter("segmentation"), entries)) if iou_type == "segm" else None
+    return _detections_from(where, gt, (image, category, score), box, segms)
+
+
+def _detections_generic(path: str, gt: CocoGroundTruth, iou_type: str, data) -> CocoDetections:
+    """The arrays of a generically decoded results file, checked entry by entry."""
     if not isinstance(data, list):
         raise DataError(f"predictions file {path} must be a JSON list of detections, got {type(data).__name__}")
     need = ("image_id", "category_id", "score", "bbox" if iou_type == "bbox" else "segmentation")
@@ -236,21 +332,30 @@ def load_detections(path: str | Path, gt: CocoGroundTruth, iou_type: str) -> Coc
     category = gt.category_index(_int_ids(data, "category_id", where), where)
     score = _numbers(data, "score", where)
     has_box = bool(data) and "bbox" in data[0] and data[0]["bbox"] != []  # loadRes takes its bbox branch
-    segm = None
+    box = None
     if has_box:
         for i, d in enumerate(data):
             _check_box(d.get("bbox"), f"{where} entry {i}")
         box = np.array([d["bbox"] for d in data], dtype=np.float64).reshape(-1, 4)
-        area = box[:, 2] * box[:, 3]
-    else:
-        box = np.zeros((len(data), 4))
-        area = np.zeros(len(data))
-    if iou_type == "segm":
+    segms = [d["segmentation"] for d in data] if iou_type == "segm" else None
+    return _detections_from(where, gt, (image, category, score), box, segms)
+
+
+def _detections_from(where: str, gt: CocoGroundTruth, columns: tuple, box: np.ndarray | None,
+                     segms: list | None) -> CocoDetections:
+    """CocoDetections from checked columns (image index, category index, score), the boxes (None when the
+    results carry none) and the raw segmentations (segm only), with pycocotools' loadRes rules: area = w*h
+    where boxes are given, else the mask's area and its bounding box."""
+    image, category, score = columns
+    n = len(image)
+    area = box[:, 2] * box[:, 3] if box is not None else np.zeros(n)
+    rles = None
+    if segms is not None:
         from pycocotools import mask as mask_utils
 
-        segm = [to_rle(d["segmentation"], int(gt.heights[image[i]]), int(gt.widths[image[i]]), f"{where} entry {i}")
-                for i, d in enumerate(data)]
-        if not has_box:
-            area = np.array([mask_utils.area(r) for r in segm], dtype=np.float64)
-            box = np.array([mask_utils.toBbox(r) for r in segm], dtype=np.float64).reshape(-1, 4)
-    return CocoDetections(image, category, score, box, area, segm)
+        rles = [to_rle(s, int(gt.heights[image[i]]), int(gt.widths[image[i]]), f"{where} entry {i}")
+                for i, s in enumerate(segms)]
+        if box is None:
+            area = np.array([mask_utils.area(r) for r in rles], dtype=np.float64)
+            box = np.array([mask_utils.toBbox(r) for r in rles], dtype=np.float64).reshape(-1, 4)
+    return CocoDetections(image, category, score, box if box is not None else np.zeros((n, 4)), area, rles)

@@ -1,0 +1,110 @@
+"""Benchmarks that cannot rot: every ``benchmarks/*.py`` runs with ``--smoke`` (small sizes, seconds) as a real
+subprocess, must exit 0 and print its table and its checks' verdict. Each benchmark checks its own results
+(methods agree, counts equal) and exits 1 on a mismatch, never on a time; the unit tests at the end feed its
+check functions a mismatch. A new benchmark without ``--smoke`` fails here (argparse rejects the flag)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
+# the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
+TABLES = {"bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
+          "gather.py": "gathering float32 payloads", "startup.py": "start-up phases",
+          "sync_overhead.py": "sync overhead:"}
+VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
+FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
+NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py"}
+
+
+def _load(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmark_smoke(script: Path, tmp_path):
+    """``python benchmarks/X.py --smoke`` from outside the checkout: exit 0, its table, its verdict."""
+    if script.name in NEEDS_FASHION and not any(FASHION_ROOT.glob("t10k-*")):
+        pytest.skip(f"Fashion-MNIST not found at {FASHION_ROOT} (apt-get install dataset-fashion-mnist)")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    seconds = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script.name} --smoke exited {proc.returncode} after {seconds:.0f} s:\n{out[-6000:]}"
+    assert TABLES.get(script.name, "") in proc.stdout, f"{script.name} --smoke printed no table:\n{out[-6000:]}"
+    assert VERDICT in proc.stdout, f"{script.name} --smoke printed no '{VERDICT}' line:\n{out[-6000:]}"
+
+
+def test_every_benchmark_has_a_table_marker():
+    """TABLES names every benchmark, so the smoke test also checks that each one drew its table."""
+    assert sorted(p.name for p in BENCHMARKS) == sorted(TABLES)
+
+
+def test_sync_overhead_check_names_count_and_collective_mismatches():
+    check = _load("sync_overhead").check
+    rank = {"num_samples": 320, "max_batches": 3, "naive": [{"counts": [320, 200, 300], "collectives": 5}],
+            "oneshot": [{"counts": [320, 200, 300], "collectives": 2}]}
+    per_rank = {0: rank, 1: {**rank, "naive": [{"counts": [320, 201, 300], "collectives": 4}]}}
+    assert check({0: rank, 1: rank}, 2) == []
+    problems = check(per_rank, 2)
+    assert any("rank 1 naive round 0: counts [320, 201, 300]" in p for p in problems)
+    assert any("naive issued [4] collectives" in p for p in problems)
+    assert check({0: {**rank, "num_samples": 321}}, 1) == ["W=1: synchronised count 320 != dataset size 321"]
+
+
+def test_coco_check_requires_exact_pycocotools_stats():
+    check = _load("coco_eval").check
+    stats = [0.5] * 12
+    rows = {"pycocotools": {"stats": stats}, "faster-coco-eval": {"stats": [0.5 + 1e-12] * 12},
+            "disteval W=1": {"stats": list(stats)}}
+    assert check(rows)[1] == []
+    rows["disteval W=2"] = {"stats": stats[:11] + [0.5 + 1e-15]}
+    rows["faster-coco-eval"] = {"stats": [0.6] * 12}
+    problems = check(rows)[1]
+    assert len(problems) == 2 and "disteval W=2" in problems[1] and "faster-coco-eval" in problems[0]
+    assert check({"pycocotools": {"stats": stats}, "disteval W=1": {"stats": [float("nan")] * 12}})[1]
+
+
+def test_gather_checks_payloads_bit_for_bit():
+    import torch
+
+    gather = _load("gather")
+    a = torch.rand(10, dtype=torch.float64)
+    assert gather._check_compressed("x/lossless", [a.clone()], [a], "lossless", {}) == []
+    assert gather._check_compressed("x/lossless", [a + 1e-3], [a], "lossless", {})
+    half = a.half().double()
+    err = float((half - a).abs().max())
+    assert gather._check_compressed("x/fp16", [half], [a], "fp16", {"max_abs_error": err}) == []
+    assert len(gather._check_compressed("x/fp16", [a + 0.01], [a], "fp16", {"max_abs_error": err})) == 2
+    want = gather._confusion_expected(5, 2)
+    full = sum(torch.randint(0, 50, (5, 5), generator=torch.Generator().manual_seed(r), dtype=torch.int64)
+               for r in range(2))
+    assert torch.equal(want, torch.stack([full.diagonal(), full.sum(1), full.sum(0)], 1))
+
+
+def test_bitwise_mode_check_metrics_compares_bitwise_runs_exactly():
+    check = _load("bitwise_mode").check_metrics
+    res = {"metrics": {"top1": 0.5, "nll": 1.25}}
+    runs = {(w, name): [res] for w in (1, 2) for name in ("fast", "bitwise", "bitwise, no digests")}
+    assert check([1, 2], runs) == []
+    runs[(1, "fast")] = [{"metrics": {"top1": 0.5, "nll": 1.2500001}}]  # fast: values not compared
+    assert check([1, 2], runs) == []
+    runs[(2, "bitwise")] = [{"metrics": {"top1": 0.5, "nll": 1.2500000000000002}}]
+    runs[(2, "fast")] = [{"metrics": {"top1": 0.5}}]
+    problems = check([1, 2], runs)
+    assert len(problems) == 2 and "W=2 bitwise" in problems[0] and "W=2 fast" in problems[1]
