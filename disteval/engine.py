@@ -52,6 +52,7 @@ class RankRun:
         ctx.status.update(phase="data")
         _say(ctx, f"rank 0 of {ctx.world_size} up (process group joined); loading data and model")
         self.task = resolve_task(cfg)(cfg)
+        self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
         self.model = self.task.model(ctx.device)
         self.faults = FaultPlan(ctx.rank)
@@ -236,6 +237,20 @@ class RankRun:
                        f"samples{', in whole batches of ' + str(self.ctx.cfg.data.batch_size) if self.bitwise else ''}"
                        f"): they only took part in the synchronisation; fewer ranks would do")
         return out
+
+
+def _share(ctx: RankContext):
+    """``Task.join``'s ``share``: rank 0's bytes to every rank through ``Communicator.broadcast_bytes``,
+    recorded as the collective this rank waits in (the watchdog and the doctor read it)."""
+
+    def share(payload: bytes | None) -> bytes:
+        ctx.status.update(in_collective={"op": "broadcast_bytes", "since": time.time()}, force=True)
+        try:
+            return ctx.comm.broadcast_bytes(payload)
+        finally:
+            ctx.status.update(in_collective=None)
+
+    return share
 
 
 def _say(ctx: RankContext, message: str) -> None:

@@ -190,6 +190,11 @@ def test_cli_replay_results_json(cli):
     assert np.abs(np.array(_stats(res["metrics"])) - np.array(PUBLISHED["segm"])).max() <= 1e-10
     assert len(res["metrics"]["per_category_ap"]) == 80 and res["coverage"]["ok"]
     assert "AP @[IoU=0.50:0.95 | area=all | maxDets=100]" in proc.stdout
+    # the results file was parsed once, on rank 0, and its detections broadcast to ranks 1 and 2
+    logs = [(run_dir / "ranks" / f"rank{r}" / "log.txt").read_text() for r in range(3)]
+    n = len(json.loads(open(RESULTS["segm"]).read()))
+    assert f"data.predictions: {n} detections (parsed here)" in logs[0]
+    assert all(f"data.predictions: {n} detections (received from rank 0)" in log for log in logs[1:])
 
 
 def _generated_images(tmp_path, n=6, seed=0):

@@ -32,6 +32,16 @@ class Task(abc.ABC):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        self.rank = 0
+        self.share: Callable[[bytes | None], bytes] | None = None
+
+    def join(self, rank: int, share: Callable[[bytes | None], bytes] | None) -> None:
+        """Called by the engine in every rank before ``dataset()``: this rank's index and ``share``, a
+        collective that every rank calls once with rank 0's bytes (None elsewhere) and that returns rank 0's
+        bytes on every rank (the comm layer's pickle-free ``broadcast_bytes``, under the communication
+        timeout). None: one process. A task that reads one large file can read it once on rank 0 and share
+        it (``CocoReplayTask``). Ranks must call ``share`` the same number of times, in the same order."""
+        self.rank, self.share = rank, share
 
     def preflight(self, notes: list[str]) -> None:
         """Driver-side checks before any rank starts (files readable, keys consistent, weights fetched once).

@@ -3,18 +3,22 @@ replayed against its annotation file (``data.name=coco_replay``); COCO mAP ident
 (``disteval.metrics.detection``). Batches are lists of images of different sizes."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from disteval.data.coco import load_detections, load_ground_truth
+from disteval.data.coco_wire import load_detections_shared
 from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
 from disteval.errors import ConfigError
 from disteval.metrics.detection import CocoDetectionMetric
 from disteval.models.detection import build_detector, detection_models
 from disteval.common.formatting import fmt
 from disteval.tasks.base import Task, register_task
+
+log = logging.getLogger("disteval.rank")
 
 # COCOeval.summarize's 12 statistics, in its order and wording
 COCO_LABELS = {"AP": "AP @[IoU=0.50:0.95 | area=all | maxDets=100]", "AP50": "AP @[IoU=0.50 | area=all | maxDets=100]",
@@ -143,7 +147,12 @@ class CocoReplayTask(_CocoTask):
                          "(-1 where no ground truth exists); was the right results file passed?")
 
     def dataset(self):
-        dets = load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type)
+        """The results file is parsed once, on rank 0, and its detections shared with the other ranks
+        (``disteval.data.coco_wire``); a malformed file raises the same DataError on every rank."""
+        dets = load_detections_shared(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type, self.rank,
+                                      self.share)
+        how = "parsed here" if self.rank == 0 or self.share is None else "received from rank 0"
+        log.info("data.predictions: %d detections (%s)", len(dets.score), how)
         return ReplayImages(self.gt, dets, self.cfg.data.limit)
 
     def model(self, device: torch.device) -> None:
