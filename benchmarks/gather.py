@@ -291,8 +291,11 @@ def _tables(repeats: int) -> tuple:
     return table, comp, conf
 
 
-def _gather_rows(table, per_rank: dict, w: int, sizes: list[int]) -> None:
-    """One row per size and method: slowest rank's time and RSS, time relative to gather_variable."""
+def _gather_rows(table, per_rank: dict, w: int, sizes: list[int], headline: list) -> None:
+    """One row per size and method: slowest rank's time and RSS, time relative to gather_variable; the largest
+    size's all_gather_object against gather_variable goes to ``headline``."""
+    from _summary import row
+
     for size in sizes:
         rows = {}
         for key in per_rank[0]:
@@ -302,6 +305,10 @@ def _gather_rows(table, per_rank: dict, w: int, sizes: list[int]) -> None:
         base = rows["gather_variable"][0]
         for name, (sec, rss) in rows.items():
             table.add_row(str(w), f"{size:,}", name, f"{sec:.4f}", f"{rss:.1f}", f"{sec / base:.1f}x")
+        if size == max(sizes) and "all_gather_object" in rows:
+            headline.append(row(f"gather of {size:,} float32 per rank at W={w} (s, slowest rank): "
+                                "gather_variable vs all_gather_object", f"{base:.3f}",
+                                f"{rows['all_gather_object'][0]:.3f}", base / rows["all_gather_object"][0]))
 
 
 def _compression_rows(comp, per_rank: dict, w: int) -> None:
@@ -350,13 +357,13 @@ def main() -> int:
     from launchers.local import launch
 
     table, comp, conf = _tables(args.repeats)
-    problems = []
+    problems, headline = [], []
     for w in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             per_rank = launch(gather_worker, (args.sizes, args.repeats, args.one_at_a_time_max, args.compress_rows,
                                               args.confusion_classes), w, tmp)
         problems += [f"W={w} rank {r}: {p}" for r in range(w) for p in per_rank[r]["problems"]]
-        _gather_rows(table, per_rank, w, args.sizes)
+        _gather_rows(table, per_rank, w, args.sizes, headline)
         _compression_rows(comp, per_rank, w)
         _confusion_rows(conf, per_rank, w)
     console = Console(width=max(Console().width, 160))
@@ -365,6 +372,9 @@ def main() -> int:
     if problems:
         console.print("[bold red]MISMATCH[/]: " + "\n".join(problems), highlight=False)
         return 1
+    from _summary import write
+
+    write("gather", headline, args.smoke)
     console.print(f"checks passed: every method gathered every rank's payload bit for bit, lossless compression "
                   f"exact, fp16 within its rounding, all_reduce = reduce_scatter counts ({len(args.world_sizes)} "
                   "world size(s), every rank)")

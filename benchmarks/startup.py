@@ -113,6 +113,39 @@ def import_times(modules: tuple[str, ...] = IMPORTS) -> tuple[dict[str, float], 
     return out, failed
 
 
+def import_floor(world_size: int, repeats: int) -> float:
+    """The floor of any start-up: median wall time (s) of starting ``world_size`` Python processes at once that
+    each ``import torch`` and exit (as many processes as the job's ranks, on the same cores)."""
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(world_size)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"python -c 'import torch' exited {codes}")
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def headline(firsts: list[float], walls: list[float], all_marks: list, timings: list[dict], floor: float,
+             world_size: int) -> list[dict]:
+    """README rows: first output; last rank joined and process wall against the import floor (the target:
+    process wall within 2.5x of floor + evaluation)."""
+    from _summary import row
+
+    joined = [dict(m).get("ranks: last joined the process group") for m in all_marks]
+    joined = [j for j in joined if j is not None]
+    evals = [t["evaluation_s"] for t in timings if isinstance(t.get("evaluation_s"), (int, float))]
+    wall, ev = statistics.median(walls), statistics.median(evals) if evals else 0.0
+    rows = [row("start-up: first console line (s)", f"{statistics.median(firsts):.2f}", "target 1.0")]
+    if joined:
+        rows.append(row(f"start-up: all {world_size} ranks joined (s) vs {world_size} processes importing torch",
+                        f"{statistics.median(joined):.2f}", f"{floor:.2f}", statistics.median(joined) / floor))
+    rows.append(row("start-up: default job's process wall (s) vs import floor + evaluation (target <= 2.5x)",
+                    f"{wall:.2f}", f"{floor:.2f} + {ev:.2f}", wall / (floor + ev)))
+    return rows
+
+
 def check_run(k: int, run: dict, run_dir: Path, marks: list[tuple[str, float | None]]) -> list[str]:
     """Mismatches of run ``k``: a non-zero exit, no console line, a phase missing from the records, no
     results.json, an incomplete coverage or per-rank samples that do not add up to the dataset's."""
@@ -182,7 +215,9 @@ def main() -> int:
     if args.smoke:
         args.repeats = 1
     from rich.console import Console
+    from _summary import write
 
+    world_size = 1
     firsts, walls, all_marks, timings, problems = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):
@@ -193,12 +228,21 @@ def main() -> int:
                 firsts.append(first)
             walls.append(run["exit_s"])
             all_marks.append(_marks(run, run_dir))
-            timings.append(_load(run_dir / "results.json").get("timings", {}))
+            res = _load(run_dir / "results.json")
+            timings.append(res.get("timings", {}))
+            world_size = int(res.get("world_size") or 1)
             problems += check_run(k, run, run_dir, all_marks[-1])
     Console(width=max(Console().width, 120)).print(phase_table(all_marks, timings))
+    floor = import_floor(world_size, 1 if args.smoke else 3)
+    evals = [t["evaluation_s"] for t in timings if isinstance(t.get("evaluation_s"), (int, float))]
+    print(f"import floor: {world_size} processes that import torch, started at once: {floor:.2f} s (median)")
     if firsts:
+        wall, ev = statistics.median(walls), statistics.median(evals) if evals else 0.0
         print(f"median over {len(walls)} runs: first line {statistics.median(firsts):.2f} s, "
-              f"process wall {statistics.median(walls):.2f} s")
+              f"process wall {wall:.2f} s = {wall / (floor + ev):.2f}x (import floor + evaluation "
+              f"{floor:.2f} + {ev:.2f} s; target <= 2.5x)")
+        write("startup", headline(firsts, walls, all_marks, timings, floor, world_size), args.smoke or bool(overrides)
+              or args.cold_cache)
     if not args.no_imports:
         times, failed = import_times(IMPORTS[:1] if args.smoke else IMPORTS)
         problems += failed

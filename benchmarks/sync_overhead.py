@@ -207,12 +207,19 @@ def main() -> int:
     from launchers.local import launch
 
     job = _job(args.overrides)
-    table, verdicts, problems = _table(job, args.repeats), [], []
+    from _summary import row, write
+
+    table, verdicts, problems, headline = _table(job, args.repeats), [], [], []
     for w in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             per_rank = launch(bench_worker, (job, args.repeats), w, tmp)
         problems += check(per_rank, w)
-        verdicts.append(_add_rows(table, w, {mode: _medians(per_rank, w, mode) for mode in ("naive", "oneshot")}))
+        med = {mode: _medians(per_rank, w, mode) for mode in ("naive", "oneshot")}
+        verdicts.append(_add_rows(table, w, med))
+        o = med["oneshot"]
+        headline.append(row(f"sync at W={w}: share of the evaluation loop's wall time (target < 1 %); "
+                            f"{o['collectives']} collectives per rank, naive {med['naive']['collectives']}",
+                            f"{100 * o['sync'] / o['wall']:.2f} %", "1 %"))
     console = Console(width=max(Console().width, 120))
     console.print(table)
     for v in verdicts:
@@ -220,6 +227,7 @@ def main() -> int:
     if problems:
         console.print("[bold red]MISMATCH[/]: " + "\n".join(problems), highlight=False)
         return 1
+    write("sync_overhead", headline, args.smoke or bool(args.overrides))
     console.print(f"checks passed: both modes give identical counts ({len(args.world_sizes)} world size(s), "
                   "every rank and round), count = dataset size, naive = one-shot + one collective per batch")
     return 0

@@ -1,0 +1,69 @@
+"""The headline rows a benchmark run leaves for README's performance table (``scripts/perf_table.py``).
+
+``write(name, rows, smoke)`` saves ``benchmarks/results/<name>.json``: the date (UTC), the commit, the
+machine (cores, CPU model, torch), the command and ``rows``, each ``{"measure", "value", "baseline",
+"ratio"}`` (strings as printed, ``ratio`` a float or None), taken from the numbers the benchmark printed in
+the same run. A ``--smoke`` run writes nothing: its sizes are not the benchmark's. Not a benchmark itself
+(the leading underscore keeps it out of tests/test_benchmarks.py's list).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """cores (os.cpu_count), cpu (model name from /proc/cpuinfo), python, torch versions."""
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch_version}
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def row(measure: str, value: str, baseline: str = "", ratio: float | None = None) -> dict:
+    """One headline row: what was measured, disteval's figure, the baseline's figure, value/baseline."""
+    return {"measure": measure, "value": value, "baseline": baseline,
+            "ratio": None if ratio is None else round(float(ratio), 3)}
+
+
+def write(name: str, rows: list[dict], smoke: bool) -> Path | None:
+    """Save the rows (see the module docstring) unless ``smoke``; returns the path written."""
+    if smoke or not rows:
+        return None
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+              "commit": _commit(), "machine": machine(),
+              "command": " ".join(["python", f"benchmarks/{name}.py", *sys.argv[1:]]), "rows": rows}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(f"headline rows written to {path.relative_to(RESULTS.parent.parent)} (python scripts/perf_table.py "
+          "puts them into README.md)")
+    return path
