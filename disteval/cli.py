@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from disteval import driverlog
 from disteval.comm.profiles import apply_profile
-from disteval.common import startup
+from disteval.common import allocator, startup
 from disteval.config import DistevalConfig, conf_dir, register_schemas
 from disteval.errors import ConfigError, DiskFullError, DistevalError, RankFailedError, RunInterrupted
 from disteval import rundir
@@ -126,15 +126,19 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     startup.job_start()  # this job's start, passed to its ranks (results.json timings.process_wall_s)
     driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
-    from disteval.engine import run_rank
+    from disteval.engine import run_rank  # noqa: F401 - imported before the launch step (start-up timing)
     from disteval.preflight import preflight
-    from launchers.local import launch_local, run_single
 
     try:
         container = job_container(cfg)
         job = OmegaConf.create(container)
         notes: list[str] = []
         preflight(job, notes)
+        # the ranks' malloc (dist.allocator): resolved here, so that a missing library fails before any rank starts;
+        # under an external launcher the ranks already exist and run with what they were started with
+        choice = None if external else allocator.resolve(str(cfg.dist.allocator))
+        if choice is not None and choice.note and choice.requested != "auto":
+            notes.append(f"dist.allocator={choice.requested}: {choice.note}")
         container["preflight_notes"] = job.preflight_notes = list(notes)  # also into results.json warnings
         if not external or RankEnv.from_env().rank == 0:
             for note in notes:
@@ -147,26 +151,9 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2, exc
-    driverlog.step(driverlog.launching(external, int(cfg.dist.world_size)))
+    driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice))
     try:
-        if external:
-            env = RankEnv.from_env()
-            if env.world_size != cfg.dist.world_size and env.rank == 0:
-                log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
-                            env.world_size, cfg.dist.world_size)
-            try:
-                run_rank(job, run_dir, env, agree_run_dir=True)
-            except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
-                raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
-        elif cfg.dist.world_size == 1:
-            try:
-                run_single(run_rank, (job, run_dir, None))
-            except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
-                if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
-                    exc.rank = 0
-                raise
-        else:
-            launch_local(container, run_dir, cfg.dist.world_size, cfg.dist.master_addr, cfg.dist.master_port)
+        _start_ranks(cfg, job, container, run_dir, external, choice)
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc
@@ -181,6 +168,37 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1, exc
     return 0, None
+
+
+def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: bool, choice) -> None:
+    """Run the job's ranks and wait: as this rank of an external launcher, in this process (world size 1, unless
+    the allocator ``choice`` needs a process started with another environment), or as local rank processes."""
+    from disteval.comm import RankEnv
+    from disteval.engine import run_rank
+    from launchers.local import launch_local, run_single
+
+    if external:
+        env = RankEnv.from_env()
+        if env.world_size != cfg.dist.world_size and env.rank == 0:
+            log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
+                        env.world_size, cfg.dist.world_size)
+        try:
+            run_rank(job, run_dir, env, agree_run_dir=True)
+        except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
+            raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
+    elif cfg.dist.world_size == 1 and (not choice.changes_env or choice.requested == "auto"):
+        # in this process, with its own allocator: `auto` does not start a second process at W=1 (measured:
+        # 2.5-4.7 s more start-up, a second import of torch); an allocator asked for by name does
+        try:
+            run_single(run_rank, (job, run_dir, None))
+        except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
+            if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
+                exc.rank = 0
+            raise
+    else:
+        alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
+        launch_local(container, run_dir, cfg.dist.world_size, "127.0.0.1" if alone else cfg.dist.master_addr,
+                     0 if alone else cfg.dist.master_port, allocator=choice)
 
 
 _composed = False

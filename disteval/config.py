@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from disteval.common.allocator import POLICIES as ALLOCATORS
 from disteval.errors import ConfigError
 from disteval.precision import check_metric_dtypes
 
@@ -209,7 +210,10 @@ class DistConfig:
     submitit launchers, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node).
     threads: intra-op threads of each rank (``torch.set_num_threads``); null = 1 in ``eval.mode=bitwise`` (a
     value that does not change with the world size, so outputs do not either) and the machine's cores shared
-    among the local ranks in ``fast`` mode."""
+    among the local ranks in ``fast`` mode.
+    allocator: the ranks' malloc (``disteval.common.allocator``): auto (tcmalloc, else jemalloc where installed,
+    else glibc-tuned) | system | glibc-tuned | tcmalloc | jemalloc; put into the environment the ranks are
+    started with (never into the driver's own), recorded in results.json ``allocator``."""
 
     world_size: int = 2
     launcher: str = "local"
@@ -218,10 +222,13 @@ class DistConfig:
     master_port: int = 0
     ranks_per_node: Optional[int] = None
     threads: Optional[int] = None
+    allocator: str = "auto"
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``dist.*`` key."""
         _at_least("dist.world_size", self.world_size, 1)
+        if self.allocator not in ALLOCATORS:
+            raise ConfigError("dist.allocator", f"{self.allocator!r} is not one of {list(ALLOCATORS)}")
         _at_least("dist.threads", self.threads, 1, nullable=True)
         if not 0 <= self.master_port <= 65535:
             raise ConfigError("dist.master_port", f"must be a TCP port in 1..65535, or 0 to pick a free port, got "

@@ -48,14 +48,16 @@ def composed(cfg: Any, external: bool) -> str:
             "and settings")
 
 
-def launching(external: bool, world_size: int) -> str:
-    """The step before the ranks run: how they start."""
+def launching(external: bool, world_size: int, allocator: Any = None) -> str:
+    """The step before the ranks run: how they start (``allocator``: the ranks' ``AllocatorChoice``; at world
+    size 1 one that changes the environment needs a rank process of its own)."""
     if external:
         return "checks passed; joining the external launcher's process group"
-    if world_size == 1:
+    if world_size == 1 and not (allocator is not None and allocator.changes_env):
         return "checks passed; evaluating in this process (world size 1)"
-    return (f"checks passed; starting {world_size} local ranks (each imports torch, then joins the process "
-            "group)")
+    malloc = f", malloc {allocator.name}" if allocator is not None and allocator.changes_env else ""
+    return (f"checks passed; starting {world_size} local rank{'s' if world_size > 1 else ''}{malloc} (each "
+            "imports torch, then joins the process group)")
 
 
 def _timings(run_dir: str) -> dict:

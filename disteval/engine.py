@@ -24,7 +24,7 @@ from disteval import precision as prec
 from disteval import report
 from disteval.bootstrap import RankContext, apply_compute_settings, connect, log, open_records
 from disteval.comm import RankEnv, destroy_process_group
-from disteval.common import startup
+from disteval.common import allocator, startup
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.errors import CoverageError
 from disteval.faults import FaultPlan
@@ -56,6 +56,7 @@ class RankRun:
         self.dataset = self.task.dataset()
         self.model = self.task.model(ctx.device)
         self.faults = FaultPlan(ctx.rank)
+        self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
         if self.faults and self.model is not None:
             self.faults.on_model(self.model)
         self.seconds_load = time.perf_counter() - t_load
@@ -141,7 +142,7 @@ class RankRun:
 
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
-                "batches": progress.batches, "seconds_load": self.seconds_load,
+                "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary()}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:
@@ -219,7 +220,8 @@ class RankRun:
                "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
-            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"])})
+            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
+            "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]])})
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_warnings(results.get("warnings") or [])
@@ -231,6 +233,9 @@ class RankRun:
         file, ineffective settings) and ranks that had nothing to evaluate (W > N, or fewer global batches
         than ranks in bitwise mode)."""
         out = [str(n) for n in (self.ctx.cfg.get("preflight_notes") or [])]
+        malloc = allocator.summarize([r.get("allocator") for r in rows])
+        if malloc and malloc.get("warning"):
+            out.append(malloc["warning"])
         idle = [int(r["rank"]) for r in rows if int(r["samples"]) == 0]
         if idle:
             out.append(f"rank(s) {idle} of {self.ctx.world_size} had nothing to evaluate (N={len(self.dataset)} "

@@ -18,7 +18,8 @@ load, forward and sync; process_wall_s = from the driver's start, imports and ra
 results.json written, null when unknown), throughput {images_per_s} (forward only), comm {collectives, bytes, by_op, chunked, compression, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
-outliers, exclusion. Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
+outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
+per_rank when the ranks differ} (``disteval.common.allocator.summarize``). Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
 
 RUN_DIR/ranks/rank{r}/batches.json (``eval.record_batches``): per global batch [index, first sample id, size],
 one output digest per sample and the batch's float partials: what ``python -m diagnostics compare`` reads.

@@ -5,6 +5,7 @@ RankFailedError. No process outlives ``launch_local``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from disteval.common.allocator import AllocatorChoice
 from disteval.errors import RankFailedError, RunInterrupted
 from disteval.records import pid_alive, read_status
 from launchers.culprit import find_culprit
@@ -94,12 +96,21 @@ class Reaper:
 
 
 def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str,
-           master_addr: str = "127.0.0.1", master_port: int = 0) -> dict[int, Any]:
+           master_addr: str = "127.0.0.1", master_port: int = 0, allocator: AllocatorChoice | None = None) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``world_size`` local ranks (env:// variables set) and wait for all of them.
 
     ``entry`` must be importable (spawn start method) and should record its errors in
     RUN_DIR/ranks/rank{r}/status.json (as ``disteval.engine.run_rank`` does). Returns {rank: return value}.
     Raises RankFailedError naming the culprit rank and its own error when any rank fails.
+
+    ``allocator``: the ranks' malloc (``disteval.common.allocator``). LD_PRELOAD and GLIBC_TUNABLES act only
+    when a process is exec'd, and elastic applies its per-worker ``envs`` inside the child after the
+    interpreter started (``torch.distributed.elastic.multiprocessing.api._wrap``): too late. The spawn start
+    method execs each rank with this process's environment at ``Process.start()``
+    (``multiprocessing.util.spawnv_passfds``, no env argument), so the variables are put into ``os.environ``
+    while the agent runs (the ranks are started inside it) and restored afterwards, also on errors. This
+    process's own allocator does not change (the loader read its variables when it started). The
+    multiprocessing resource tracker, a helper of this process started on first use, is started before.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -112,8 +123,12 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn", shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
     reaper = Reaper(run_dir, world_size)
+    if allocator is not None and allocator.changes_env:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # the driver's helper: started with the driver's own environment
     try:
-        with reaper:
+        with reaper, (allocator.applied() if allocator is not None else contextlib.nullcontext()):
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         # ranks the reaper killed after another rank failed are consequences: not deaths of their own
@@ -148,11 +163,12 @@ def run_single(entry: Callable[..., Any], args: tuple) -> Any:
 
 
 def launch_local(cfg_container: dict, run_dir: str, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int = 0) -> None:
-    """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.engine.worker_entry``) and wait.
+                 master_port: int = 0, allocator: AllocatorChoice | None = None) -> None:
+    """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.engine.worker_entry``) and wait;
+    ``allocator``: the ranks' malloc (see ``launch``).
 
     Raises RankFailedError naming the first failing rank and its own error when any rank fails.
     """
     from disteval.engine import worker_entry
 
-    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, master_addr, master_port)
+    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, master_addr, master_port, allocator)

@@ -18,6 +18,10 @@ array_parallelism, ...) where it falls short for evaluation jobs:
   and timed-out jobs are reported as such (from sacct's state). Hydra's sweeper then raises it, the driver
   exits non-zero, and the sweep summary marks the job.
 - ``max_num_timeout`` defaults to 2 for evaluation jobs (requeued on timeout or preemption).
+- **Allocator.** Each job's ``dist.allocator`` is resolved on the submitting host
+  (``disteval.common.allocator``; a missing library refuses the job before submission) and exported by the job
+  script's ``setup`` lines, ahead of the launcher's own ``setup``, so every srun'd rank is exec'd with it; the
+  driver's environment is untouched. Each rank records what is really in force in results.json ``allocator``.
 
 The classes Hydra instantiates live in ``hydra_plugins/disteval_launchers`` (Hydra accepts plugins only
 from that package); the configs are conf/hydra/launcher/submitit_{slurm,local}.yaml.
@@ -36,6 +40,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
+from disteval.common.allocator import resolve as resolve_allocator
 from launchers.culprit import find_culprit
 
 log = logging.getLogger(__name__)
@@ -82,14 +87,14 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         os.environ["TORCHELASTIC_RUN_ID"] = f"slurm-{submitit.JobEnvironment().job_id}"
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
 
-    def _executor(self, nodes: int, tasks_per_node: int):
-        return make_executor(self._EXECUTOR, dict(self.params), nodes, tasks_per_node)
+    def _executor(self, nodes: int, tasks_per_node: int, setup: list[str] | None = None):
+        return make_executor(self._EXECUTOR, dict(self.params), nodes, tasks_per_node, setup)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         configs, refused = [], {}
         for i, overrides in enumerate(job_overrides):
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -100,15 +105,16 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                 shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
                                   self.params.get("gpus_per_node"))
                 _preflight(cfg)
+                exports = tuple(resolve_allocator(str(cfg.dist.get("allocator", "auto"))).shell_exports())
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
                 refused[i] = f"{type(exc).__name__}: {exc}"
                 continue
             # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
             (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)
-            groups.setdefault(shape, []).append(i)
+            groups.setdefault((*shape, exports), []).append(i)
         jobs: dict[int, Any] = {}
-        for (nodes, per_node), members in groups.items():
-            executor = self._executor(nodes, per_node)
+        for (nodes, per_node, exports), members in groups.items():
+            executor = self._executor(nodes, per_node, list(exports))
             args = []
             for i in members:
                 idx = initial_job_idx + i
@@ -278,13 +284,16 @@ def export_rank_env() -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
 
 
-def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int):
+def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, setup: list[str] | None = None):
     """A submitit AutoExecutor for ``cluster`` (slurm | local) from the launcher's options (``params``, as in
     conf/hydra/launcher/submitit_*.yaml; ``submitit_folder`` required), with ``nodes`` x ``tasks_per_node``
-    tasks. Options that hydra-submitit-launcher's BaseQueueConf lacks get the ``{cluster}_`` prefix."""
+    tasks. Options that hydra-submitit-launcher's BaseQueueConf lacks get the ``{cluster}_`` prefix. ``setup``:
+    shell lines run by the job before its tasks start (the allocator's exports), ahead of the options' own."""
     import submitit
 
     params = {k: v for k, v in params.items() if k != "_target_"}
+    if setup:
+        params["setup"] = [*setup, *list(params.get("setup") or [])]
     init = {"folder": params.pop("submitit_folder")}
     if "max_num_timeout" in params:
         init[f"{cluster}_max_num_timeout"] = params.pop("max_num_timeout")
