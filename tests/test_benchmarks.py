@@ -18,12 +18,13 @@ from conftest import REPO
 
 BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
-TABLES = {"bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
+TABLES = {"allocator.py": "allocator policies",
+          "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
           "gather.py": "gathering float32 payloads", "startup.py": "start-up phases",
-          "sync_overhead.py": "sync overhead:"}
+          "sync_overhead.py": "sync overhead:", "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
-NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py"}
+NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py"}
 
 
 def _load(name: str):
@@ -66,6 +67,26 @@ def test_sync_overhead_check_names_count_and_collective_mismatches():
     assert any("rank 1 naive round 0: counts [320, 201, 300]" in p for p in problems)
     assert any("naive issued [4] collectives" in p for p in problems)
     assert check({0: {**rank, "num_samples": 321}}, 1) == ["W=1: synchronised count 320 != dataset size 321"]
+
+
+def test_allocator_check_names_metric_coverage_and_allocator_mismatches():
+    check = _load("allocator").check
+    ok = {"seconds": 1.0, "minflt": 10, "samples": 4, "coverage_ok": True}
+
+    def rec(expected, in_force, metrics, passes=(ok, ok)):
+        return {"num_samples": 4, "passes": list(passes), "metrics": [metrics] * len(passes), "expected": expected,
+                "in_force": {"in_force": in_force, "library": None, "glibc_tunables": None}}
+
+    m = {"accuracy": 0.5, "nll": float("nan")}
+    runs = {"system": [rec("system", "system", m)], "auto": [rec("tcmalloc", "tcmalloc", dict(m))]}
+    assert check(runs) == []
+    runs["jemalloc"] = [rec("jemalloc", "system", {"accuracy": 0.5000000000000001, "nll": float("nan")},
+                            (ok, dict(ok, samples=3, coverage_ok=False)))]
+    problems = check(runs)
+    assert len(problems) == 4, problems
+    assert "jemalloc round 0 pass 1: 3 samples of 4" in problems[0]
+    assert all("metrics differ from system's in ['accuracy']" in p for p in problems[1:3])
+    assert "jemalloc resolved but system in force" in problems[3]
 
 
 def test_coco_check_requires_exact_pycocotools_stats():
@@ -134,3 +155,15 @@ def test_perf_table_renders_every_row_and_refuses_a_readme_without_markers(tmp_p
     assert perf.replace(readme, table) == f"intro\n{perf.START}\n{table}\n{perf.END}\nrest\n"
     with pytest.raises(ValueError, match="perf-table:start"):
         perf.replace("no markers", table)
+
+
+def test_throughput_check_compares_exact_counts_across_methods():
+    check = _load("throughput").check
+    ok = {"count": 1000, "top1": 900, "top5": 990}
+    passes = {(1, "bare"): [{**ok, "top5": None}], (1, "disteval"): [ok, ok], (2, "torchmetrics"): [ok]}
+    assert check(passes) == []
+    passes[(2, "disteval")] = [ok, {**ok, "top1": 901}]
+    passes[(2, "torchmetrics")] = [{**ok, "top5": 989}]
+    problems = check(passes)
+    assert len(problems) == 2 and "W=2 disteval pass 2: top1 901 != 900" in problems[0] and "top5 989" in problems[1]
+    assert check({(1, "bare"): [{**ok, "top5": None}]}) == ["no method reported a top5 count"]

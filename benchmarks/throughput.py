@@ -1,0 +1,413 @@
+"""Throughput of disteval's evaluation loop against a bare forward loop and a torchmetrics loop.
+
+    python benchmarks/throughput.py [--world-sizes 1 2] [--rounds 3] [--repeats 3] [--batch-size 256]
+                                    [--threads 1] [--limit N] [--allocator auto] [--smoke]
+
+Same job for all three methods: the shipped Fashion-MNIST CNN (``+experiment=fashion_mnist``: ``model=fashion_cnn``,
+the 10,000-image test split of Debian's dataset-fashion-mnist), the same batch size, the same intra-op threads
+(``--threads``, default 1: disteval's bitwise default), the same batch-aligned shard per rank
+(``disteval.common.ranges.batch_aligned_bounds``, what ``eval.mode=bitwise`` evaluates) and the same allocator.
+Every measured method runs in fresh child processes (W of them at world size W, as real ranks over gloo where
+the method needs a process group) started with the allocator's environment (``--allocator``, resolved by
+``disteval.common.allocator``; LD_PRELOAD and GLIBC_TUNABLES act only at exec); each child reports the
+allocator really in force (from its /proc/self/maps).
+
+- ``bare``: the shard's images and labels already in memory as batches (views of one tensor), then
+  ``with torch.inference_mode(): for x, y in batches: correct += (model(x).argmax(1) == y).sum()``, and at
+  W > 1 a single all_reduce of [count, correct] at the end;
+- ``disteval``: the loop of ``python -m disteval``: ``disteval.engine.RankRun.trial()`` (its DataLoader over
+  the dataset, the classification task's step and metric in the Evaluator, the status/progress/guard/fault
+  hooks, the watchdog thread, and the final synchronisation, coverage check and compute on rank 0), with
+  ``eval.progress=false``;
+- ``torchmetrics``: the same in-memory batches, ``MulticlassAccuracy`` top-1 and top-5 (micro) updated per
+  batch, ``compute()`` at the end (its own dist sync at W > 1).
+
+Per child: one warm-up pass (not timed), then ``--repeats`` timed passes, each started after a barrier at W > 1;
+a pass's time is the slowest rank's. images/s = N / that time, median over all passes of all ``--rounds``
+rounds (each round runs every method once at every W, so drift hits all alike). Also printed per method: the
+ratio to bare at the same W and the minor page faults per batch during the timed passes (rank 0; allocation
+churn that reaches the kernel).
+
+Checked (exit 1 and MISMATCH naming it, never on a speed): at every W and in every pass all methods count the
+same N samples and the same top-1 correct (disteval and torchmetrics also the same top-5 correct), as exact
+integers compared with ==.
+
+``--smoke``: W = 1 and 2, 1,024 images, batch 128, 1 round of 1 pass (seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+METHODS = ("bare", "disteval", "torchmetrics")
+FULL_N = 10_000
+SMOKE = {"world_sizes": [1, 2], "rounds": 1, "repeats": 1, "batch_size": 128, "limit": 1024}
+
+
+# ----------------------------------------------------------------------------------------------- allocator
+
+def resolve_allocator(policy: str) -> dict:
+    """{requested, name, library, env, note} of ``disteval.common.allocator.resolve(policy)``; ``env`` is what
+    the children are exec'd with on top of this environment (``launch_env()``)."""
+    from disteval.common import allocator
+
+    c = allocator.resolve(policy)
+    return {"requested": c.requested, "name": c.name, "library": c.library, "env": c.launch_env(), "note": c.note}
+
+
+def allocator_in_force() -> dict:
+    """What this process really runs with (``disteval.common.allocator.in_force``: /proc/self/maps and the
+    GLIBC_TUNABLES it was exec'd with)."""
+    from disteval.common import allocator
+
+    return allocator.in_force()
+
+
+def _describe(rec: dict) -> str:
+    """One short line of an ``in_force()`` record."""
+    return str(rec.get("in_force")) + (f" ({rec['library']})" if rec.get("library") else "") \
+        + (f" (GLIBC_TUNABLES={rec['glibc_tunables']})" if rec.get("glibc_tunables") else "")
+
+
+# ----------------------------------------------------------------------------------------------- children
+
+def _job(overrides: list[str]) -> dict:
+    """The composed job (``+experiment=fashion_mnist`` and ``overrides``) as a plain dict."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from disteval.config import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=fashion_mnist", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def _in_memory_batches(dataset, start: int, end: int, batch: int) -> list:
+    """This shard's items ``[start, end)`` stacked once into two tensors, cut into batch views."""
+    import torch
+
+    xs = torch.stack([dataset[i][0] for i in range(start, end)]) if end > start else torch.zeros(0)
+    ys = torch.tensor([int(dataset[i][1]) for i in range(start, end)], dtype=torch.int64)
+    return [(xs[i:i + batch], ys[i:i + batch]) for i in range(0, end - start, batch)]
+
+
+def _bare(model, batches, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    acc = torch.zeros(2, dtype=torch.int64)  # count, top-1 correct
+    with torch.inference_mode():
+        for x, y in batches:
+            acc[0] += y.numel()
+            acc[1] += (model(x).argmax(1) == y).sum()
+        if world_size > 1:
+            dist.all_reduce(acc)
+    return {"count": int(acc[0]), "top1": int(acc[1]), "top5": None}
+
+
+def _torchmetrics(model, batches, num_classes: int) -> dict:
+    import torch
+    from torchmetrics.classification import MulticlassAccuracy
+
+    top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+    top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    count = 0
+    with torch.inference_mode():
+        for x, y in batches:
+            logits = model(x)
+            top1.update(logits, y)
+            top5.update(logits, y)
+            count += y.numel()
+        top1.compute(), top5.compute()  # the timed end: each syncs its states across ranks
+    out = {}
+    for name, m in (("top1", top1), ("top5", top5)):
+        with m.sync_context(should_sync=True):  # exact counts of the synced states (not timed)
+            out[name] = int(m.tp.sum())
+            out["count"] = int(m.tp.sum() + m.fn.sum())
+    return out
+
+
+def child(args) -> None:
+    """One rank of one method: load, warm up, time ``--repeats`` passes, write a JSON record."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    torch.set_num_threads(args.threads)
+    job = json.loads(Path(args.job).read_text())
+    cfg = OmegaConf.create(job)
+    rank, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    record: dict = {"method": args.child, "rank": rank, "world_size": w, "allocator": allocator_in_force(),
+                    "seconds": [], "results": []}
+    barrier = (lambda: dist.barrier()) if w > 1 else (lambda: None)
+
+    if args.child == "disteval":
+        from disteval.bootstrap import apply_compute_settings, connect, open_records
+        from disteval.comm import RankEnv, destroy_process_group
+        from disteval.engine import RankRun
+        from disteval.watchdog import Watchdog, beat_interval
+
+        class Run(RankRun):
+            def evaluator(self):  # keeps the trial's evaluator, for the exact synced counts
+                self.last = super().evaluator()
+                return self.last
+
+        env = RankEnv.from_env() if w > 1 else None
+        ctx = open_records(cfg, args.workdir, env)  # one run directory shared by the ranks of this launch
+        timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s,
+                                                                    cfg.eval.status_interval_s))
+        watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, rank, w, timing, None).start()
+        connect(ctx)
+        apply_compute_settings(ctx)
+        record["threads"] = ctx.compute["threads"]
+        run = Run(ctx)
+        batches = -(-(run.shard[1] - run.shard[0]) // int(cfg.data.batch_size))
+
+        def one():
+            run.trial()
+            s = run.last.metric.states()
+            correct = s["classification.correct_topk"][0].tolist()
+            return {"count": int(s["classification.count"][0]), "top1": correct[0], "top5": correct[1]}
+        finish = lambda: (watchdog.stop(), destroy_process_group())  # noqa: E731
+    else:
+        from disteval.common.ranges import batch_aligned_bounds
+        from disteval.tasks import resolve_task
+
+        if w > 1:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=w)
+        task = resolve_task(cfg)(cfg)
+        dataset = task.dataset()
+        model = task.model(torch.device("cpu"))
+        b = int(cfg.data.batch_size)
+        start, end = batch_aligned_bounds(len(dataset), b, w, rank)
+        data = _in_memory_batches(dataset, start, end, b)
+        batches = len(data)
+        record["threads"] = torch.get_num_threads()
+        if args.child == "bare":
+            one = lambda: _bare(model, data, w)  # noqa: E731
+        else:
+            one = lambda: _torchmetrics(model, data, task.num_classes)  # noqa: E731
+        finish = (lambda: dist.destroy_process_group()) if w > 1 else (lambda: None)
+
+    barrier()
+    one()  # warm-up, not timed
+    flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(args.repeats):
+        barrier()
+        t0 = time.perf_counter()
+        res = one()
+        record["seconds"].append(time.perf_counter() - t0)
+        record["results"].append(res)
+    record["minflt_per_batch"] = ((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0)
+                                  / max(1, batches * args.repeats))
+    record["batches"] = batches
+    barrier()
+    finish()
+    Path(args.out).write_text(json.dumps(record))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(method: str, w: int, args, job_path: Path, workdir: Path, alloc_env: dict) -> list[dict]:
+    """W fresh child processes of ``method``; their records in rank order. Raises RuntimeError with the
+    failing child's output."""
+    port = _free_port()
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{method}_w{w}_", dir=workdir))
+    procs = []
+    for r in range(w):
+        out = workdir / f"{method}_w{w}_r{r}_{time.monotonic_ns()}.json"
+        env = dict(os.environ, **alloc_env, RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(w), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", method, "--job", str(job_path),
+               "--out", str(out), "--workdir", str(run_dir), "--threads", str(args.threads),
+               "--repeats", str(args.repeats)]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                      out))
+    records, failed = [], []
+    for proc, out in procs:
+        try:
+            text, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+            text += f"\n(timed out after {args.timeout:.0f} s)"
+        if proc.returncode != 0 or not out.is_file():
+            failed.append(f"{method} W={w}: exit {proc.returncode}\n" + "\n".join(text.splitlines()[-30:]))
+        else:
+            records.append(json.loads(out.read_text()))
+    if failed:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+        raise RuntimeError("\n".join(failed))
+    return records
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+def check(passes: dict) -> list[str]:
+    """Mismatches between methods' exact counts. ``passes``: {(W, method): [result dicts of every pass]}
+    with ``count``, ``top1`` and ``top5`` (None where the method has no top-5); each field is compared with
+    the first pass that has it."""
+    problems = []
+    for field in ("count", "top1", "top5"):
+        refs = [(key, res[field]) for key, results in passes.items() for res in results[:1]
+                if res.get(field) is not None]
+        if not refs:
+            problems.append(f"no method reported a {field} count")
+            continue
+        (ref_w, ref_m), ref = refs[0]
+        for (w, method), results in passes.items():
+            for k, res in enumerate(results):
+                if res.get(field) is not None and res[field] != ref:
+                    problems.append(f"W={w} {method} pass {k + 1}: {field} {res[field]} != {ref} "
+                                    f"(W={ref_w} {ref_m} pass 1)")
+    return problems
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3, help="fresh child processes per method and W")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per child (after one warm-up pass)")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every rank of every method")
+    ap.add_argument("--limit", type=int, default=None, help="images (default: all 10,000)")
+    ap.add_argument("--allocator", default="auto", help="policy for disteval.common.allocator.resolve")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per child")
+    ap.add_argument("--smoke", action="store_true", help="W=1 2, 1,024 images in batches of 128, 1 pass (seconds)")
+    for hidden in ("--child", "--job", "--out", "--workdir"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    args.limit = min(args.limit, FULL_N) if args.limit else FULL_N
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        child(args)
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    alloc = resolve_allocator(args.allocator)
+    n, b = args.limit, args.batch_size
+    overrides = [f"data.batch_size={b}", f"dist.threads={args.threads}", "eval.progress=false", "eval.mode=bitwise",
+                 *([f"data.limit={n}"] if n < FULL_N else [])]
+    console.print(f"fashion-mnist, {n:,} images, batch {b}, {args.threads} thread(s) per rank, world sizes "
+                  f"{args.world_sizes}, {args.rounds} round(s) x {args.repeats} pass(es) + 1 warm-up per child, "
+                  f"{os.cpu_count()} cores; allocator: requested {alloc['requested']!r} -> {alloc['name']} "
+                  f"(env {alloc['env'] or '{}'})", highlight=False)
+    t_start = time.perf_counter()
+    seconds: dict = {}
+    passes: dict = {}
+    faults: dict = {}
+    in_force: dict = {}
+    with tempfile.TemporaryDirectory(prefix="throughput_bench_") as tmp:
+        workdir = Path(tmp)
+        job_path = workdir / "job.json"
+        job_path.write_text(json.dumps(_job(overrides)))
+        try:
+            for rnd in range(args.rounds):
+                for w in args.world_sizes:
+                    for method in args.methods:
+                        recs = launch(method, w, args, job_path, workdir, alloc["env"])
+                        per_pass = [max(r["seconds"][k] for r in recs) for k in range(args.repeats)]
+                        seconds.setdefault((w, method), []).extend(per_pass)
+                        passes.setdefault((w, method), []).extend(recs[0]["results"])
+                        faults.setdefault((w, method), []).append(recs[0]["minflt_per_batch"])
+                        in_force.setdefault((w, method), {_describe(r["allocator"]) for r in recs})
+                        threads = {r["threads"] for r in recs}
+                        console.print(f"  round {rnd + 1}/{args.rounds}  W={w}  {method:<12} "
+                                      + "  ".join(f"{n / s:7.0f}" for s in per_pass) + " images/s  "
+                                      f"(threads {sorted(threads)}, {recs[0]['minflt_per_batch']:.1f} minor faults "
+                                      f"per batch, {recs[0]['allocator']['in_force']})", highlight=False)
+        except RuntimeError as e:
+            console.print("[bold red]a child failed[/]:")
+            console.print(str(e), markup=False, highlight=False)
+            return 1
+
+    table = Table(title=f"loop throughput: disteval, bare forward, torchmetrics; fashion-mnist {n:,} images, "
+                        f"batch {b}, {args.threads} thread(s) per rank (median of {args.rounds * args.repeats} passes)")
+    table.caption = ("x/bare: throughput relative to the bare forward loop at the same W (< 1 = slower); minor "
+                     "faults: per batch on rank 0 during the timed passes; allocator: in force in the children (/proc/self/maps)")
+    for col in ("W", "method", "images/s", "min - max", "x/bare", "minor faults/batch", "allocator in force"):
+        table.add_column(col, justify="left" if col in ("method", "allocator in force") else "right", no_wrap=True)
+    summary: dict = {"config": {"images": n, "batch_size": b, "threads": args.threads, "rounds": args.rounds,
+                                "repeats": args.repeats, "cores": os.cpu_count(), "allocator": alloc},
+                     "throughput": {}}
+    for w in args.world_sizes:
+        med = {m: statistics.median(n / s for s in seconds[(w, m)]) for m in args.methods}
+        for m in args.methods:
+            ips = [n / s for s in seconds[(w, m)]]
+            ratio = med[m] / med["bare"] if "bare" in med else float("nan")
+            table.add_row(str(w), m, f"{med[m]:,.0f}", f"{min(ips):,.0f} - {max(ips):,.0f}", f"{ratio:.3f}x",
+                          f"{statistics.median(faults[(w, m)]):.1f}", ", ".join(sorted(in_force[(w, m)])))
+            summary["throughput"].setdefault(str(w), {})[m] = {
+                "images_per_s": med[m], "runs": ips, "x_bare": ratio,
+                "minflt_per_batch": statistics.median(faults[(w, m)]), "allocator_in_force": sorted(in_force[(w, m)])}
+        if w != args.world_sizes[-1]:
+            table.add_section()
+    console.print(table)
+    for w in args.world_sizes:
+        t = summary["throughput"][str(w)]
+        if "bare" in t and "disteval" in t:
+            line = f"W={w}: disteval / bare {t['disteval']['x_bare']:.3f}x (target >= 0.97x, not checked)"
+            if "torchmetrics" in t:
+                tm = t["disteval"]["images_per_s"] / t["torchmetrics"]["images_per_s"]
+                line += f", disteval / torchmetrics {tm:.3f}x (target >= 1, not checked)"
+            console.print(line, highlight=False)
+    problems = check(passes)
+    ref = {f: next((res[f] for results in passes.values() for res in results if res.get(f) is not None), None)
+           for f in ("count", "top1", "top5")}
+    summary.update(counts=ref, problems=problems, seconds=time.perf_counter() - t_start)
+    console.print(f"benchmark wall time {summary['seconds']:.0f} s")
+    print(json.dumps(summary, sort_keys=True))
+    if problems:
+        console.print("[bold red]MISMATCH[/]: " + "\n".join(problems), highlight=False)
+        return 1
+    from _summary import row, write
+
+    headline = []
+    for w in args.world_sizes:
+        t = summary["throughput"][str(w)]
+        for other, target in (("bare", "0.97x"), ("torchmetrics", "1x")):
+            if "disteval" in t and other in t:
+                a, base = t["disteval"]["images_per_s"], t[other]["images_per_s"]
+                headline.append(row(f"loop at W={w}: images/s, disteval vs {other} loop (fashion-mnist, batch {b}, "
+                                    f"malloc {alloc['name']}; target >= {target})", f"{a:,.0f}", f"{base:,.0f}", a / base))
+    full = not args.smoke and args.limit is None and set(args.methods) == set(METHODS)
+    write("throughput", headline, not full)
+    console.print(f"checks passed: every method counted {ref['count']:,} samples, {ref['top1']:,} top-1 correct"
+                  + (f" and {ref['top5']:,} top-5 correct" if ref.get("top5") is not None else "")
+                  + f" in every pass at W = {args.world_sizes}", highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
