@@ -1,0 +1,110 @@
+"""The streamed-shard planner, exhaustively on small cases: every position exactly once, imbalance bounds,
+no shard read twice in full, global batches independent of W and worker count, resume offsets."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from disteval.data.stream_plan import consumer_bounds, locate, plan_rank, shard_ranges, shard_starts
+
+COUNT_SETS = [[], [0], [5], [0, 3, 0, 1], [3, 0, 7, 2, 1], [1] * 6, [11, 0, 0, 4], [2, 9, 0, 5, 3, 1]]
+
+
+def all_plans(counts, world_size, num_workers, batch_size):
+    return [p for r in range(world_size) for p in plan_rank(counts, world_size, r, num_workers, batch_size)]
+
+
+def positions_read(counts, plans):
+    """Positions recomputed from the shard ranges alone (shard starts summed by hand, not by the planner)."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [starts[r.shard] + i for p in plans for r in p.ranges for i in range(r.first, r.stop)]
+
+
+@pytest.mark.parametrize("counts", COUNT_SETS)
+def test_every_position_exactly_once_in_order(counts):
+    n = sum(counts)
+    for w, k, b in itertools.product(range(1, 6), range(0, 4), (None, 1, 2, 3, 4)):
+        plans = all_plans(counts, w, k, b)
+        assert len(plans) == w * max(1, k)
+        assert positions_read(counts, plans) == list(range(n)), (w, k, b)
+        for p in plans:
+            assert sum(len(r) for r in p.ranges) == len(p) == p.end - p.start
+            assert all(counts[r.shard] > 0 and 0 <= r.first < r.stop <= counts[r.shard] for r in p.ranges)
+
+
+@pytest.mark.parametrize("counts", COUNT_SETS)
+def test_imbalance(counts):
+    n = sum(counts)
+    for w, k in itertools.product(range(1, 6), range(0, 4)):
+        sizes = [len(p) for p in all_plans(counts, w, k, None)]
+        assert max(sizes) - min(sizes) <= 1, (w, k, sizes)
+        for b in (1, 2, 3):  # batch-aligned: at most one batch between any two workers of a rank
+            for r in range(w):
+                nb = [-(-len(p) // b) for p in plan_rank(counts, w, r, k, b)]
+                assert max(nb) - min(nb) <= 1
+        assert n == sum(sizes)
+
+
+@pytest.mark.parametrize("counts", COUNT_SETS)
+def test_no_shard_read_twice(counts):
+    """Each (shard, sample) is in exactly one range, and a shard is split only at consumer boundaries: at most
+    one range per consumer and shard."""
+    for w, k, b in itertools.product(range(1, 6), range(0, 4), (None, 2)):
+        seen = {}
+        for p in all_plans(counts, w, k, b):
+            shards = [r.shard for r in p.ranges]
+            assert len(shards) == len(set(shards))
+            for r in p.ranges:
+                for i in range(r.first, r.stop):
+                    assert (r.shard, i) not in seen
+                    seen[(r.shard, i)] = p
+        assert len(seen) == sum(counts)
+
+
+@pytest.mark.parametrize("counts", COUNT_SETS)
+def test_global_batches_do_not_depend_on_world_or_workers(counts):
+    """Batch-aligned: every consumer starts on a global batch boundary and its range is a union of whole
+    global batches [bB, min((b+1)B, N)), so chunking each consumer's stream by B gives the same batches."""
+    n = sum(counts)
+    for b in (1, 2, 3, 4):
+        expected = {tuple(range(i, min(i + b, n))) for i in range(0, n, b)}
+        for w, k in itertools.product(range(1, 6), range(0, 4)):
+            got = set()
+            for p in all_plans(counts, w, k, b):
+                assert p.start % b == 0 or p.start == p.end
+                assert p.first_batch == p.start // b
+                got |= {tuple(range(i, min(i + b, p.end))) for i in range(p.start, p.end, b)}
+            assert got == expected, (w, k, b)
+
+
+def test_locate_and_ranges():
+    starts = shard_starts([3, 0, 2])
+    assert starts == [0, 3, 3, 5]
+    assert [locate(starts, p) for p in range(5)] == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
+    with pytest.raises(IndexError):
+        locate(starts, 5)
+    assert [(r.shard, r.first, r.stop, r.position) for r in shard_ranges(starts, 1, 4)] == [(0, 1, 3, 1), (2, 0, 1, 3)]
+
+
+def test_resume_skips_done_batches():
+    counts = [5, 0, 7, 3]
+    full = plan_rank(counts, 2, 1, 2, 2)
+    resumed = plan_rank(counts, 2, 1, 2, 2, done=[2, 0])
+    assert resumed[0].start == full[0].start + 2 and resumed[0].end == full[0].end and resumed[0].done == 2
+    assert resumed[1] == full[1]
+    assert positions_read(counts, resumed) == [p for p in positions_read(counts, full) if p not in
+                                               range(full[0].start, full[0].start + 2)]
+    with pytest.raises(ValueError, match="whole number of batches"):
+        plan_rank(counts, 2, 1, 2, 2, done=[1, 0])
+    with pytest.raises(ValueError, match="num_workers"):
+        plan_rank(counts, 2, 1, 2, 2, done=[0])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        consumer_bounds(10, 2, 2, 0, 0, None)
+    with pytest.raises(ValueError):
+        consumer_bounds(10, 2, 0, 2, 2, None)
+    with pytest.raises(ValueError):
+        shard_starts([1, -1])
