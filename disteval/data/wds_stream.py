@@ -18,6 +18,7 @@ differ from the index, names the shard. Nothing hangs: local shards are plain fi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -32,7 +33,7 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 TARGET_FIELDS = ("cls", "txt")
 DECODE_ERRORS = ("raise", "skip")
 
-__all__ = ["DECODE_ERRORS", "CountingFile", "ShardStream", "read_range", "sample_name", "to_float_chw"]
+__all__ = ["DECODE_ERRORS", "CountingFile", "SampleFormat", "ShardStream", "read_range", "sample_name", "to_float_chw"]
 
 
 class _EndOfRange(Exception):
@@ -142,6 +143,28 @@ def read_range(shard: ShardInfo, rng: ShardRange, counter: list[int] | None = No
                         f"has {shard.num_samples}")
 
 
+@dataclass(frozen=True)
+class SampleFormat:
+    """How a raw sample becomes ``(input, target)``.
+
+    image_mode: webdataset imagespec, ``l8`` (grey uint8 [H, W]) or ``rgb8`` (uint8 [H, W, 3]), or ``pil``.
+    transform: decoded image -> input tensor; None means ``to_float_chw`` (float32 [C, H, W] in [0, 1]).
+    target_field: ``cls`` (int class index) or ``txt`` (str caption, image-text pairs).
+    on_decode_error: ``raise`` (DataError naming shard, key and field) or ``skip`` (counted in ``skipped``).
+    Raises ValueError for an unknown target field or policy.
+    """
+    image_mode: str = "rgb8"
+    transform: Callable[[Any], torch.Tensor] | None = None
+    target_field: str = "cls"
+    on_decode_error: str = "raise"
+
+    def __post_init__(self):
+        if self.on_decode_error not in DECODE_ERRORS:
+            raise ValueError(f"on_decode_error must be one of {DECODE_ERRORS}, not {self.on_decode_error!r}")
+        if self.target_field not in TARGET_FIELDS:
+            raise ValueError(f"target_field must be one of {TARGET_FIELDS}, not {self.target_field!r}")
+
+
 class ShardStream(IterableDataset):
     """The batches of this rank's consumers (``plans``: one per loader worker, from ``plan_rank``).
 
@@ -149,23 +172,15 @@ class ShardStream(IterableDataset):
         shards: the index (``load_index``), in shard order.
         plans: ``plan_rank(...)`` for this rank; worker k of the DataLoader reads ``plans[k]``.
         batch_size: B. With batch-aligned plans (``first_batch`` set) batches are global batches.
-        image_mode: webdataset imagespec, ``l8`` (grey, [1, H, W]) or ``rgb8`` ([3, H, W]), or ``pil``.
-        transform: decoded image -> input tensor; default ``to_float_chw``.
-        target_field: ``cls`` (int class index) or ``txt`` (str caption).
-        on_decode_error: ``raise`` (DataError naming shard, key and field) or ``skip`` (counted in
-            ``skipped``).
+        fmt: decoding and the decode-error policy (SampleFormat).
     """
 
     def __init__(self, shards: Sequence[ShardInfo], plans: Sequence[ConsumerPlan], batch_size: int,
-                 image_mode: str = "rgb8", transform: Callable[[Any], torch.Tensor] | None = None,
-                 target_field: str = "cls", on_decode_error: str = "raise"):
-        if on_decode_error not in DECODE_ERRORS:
-            raise ValueError(f"on_decode_error must be one of {DECODE_ERRORS}, not {on_decode_error!r}")
-        if target_field not in TARGET_FIELDS:
-            raise ValueError(f"target_field must be one of {TARGET_FIELDS}, not {target_field!r}")
+                 fmt: SampleFormat = SampleFormat()):
         self.shards, self.plans, self.batch_size = list(shards), list(plans), batch_size
-        self.image_mode, self.transform = image_mode, transform or to_float_chw
-        self.target_field, self.on_decode_error = target_field, on_decode_error
+        self.fmt = fmt
+        self.image_mode, self.transform = fmt.image_mode, fmt.transform or to_float_chw
+        self.target_field, self.on_decode_error = fmt.target_field, fmt.on_decode_error
         self.bytes_read = [0]  # in the process that iterates (a worker's count stays in the worker)
 
     def __iter__(self) -> Iterator[dict]:
