@@ -8,13 +8,14 @@ import contextlib
 import multiprocessing
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from disteval.data.sharding import build_sampler, sampler_span
+from disteval.data.streaming import StreamSource
 from disteval.errors import DistevalError
 from disteval.metrics.evaluator import Evaluator
 
@@ -54,6 +55,7 @@ class LoopProgress:
     samples: int = 0
     batches: int = 0
     seconds_forward: float = 0.0
+    skipped: list = field(default_factory=list)  # positions skipped by data.on_decode_error=skip (streamed data)
 
 
 class LoopHook:
@@ -101,14 +103,17 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            for k, (inputs, targets, ids) in enumerate(loader):
+            for k, batch in enumerate(loader):
+                inputs, targets, ids, index = _unpack(batch, progress, evaluator, k)
+                if inputs is None:  # every sample of this streamed batch was skipped (and counted)
+                    continue
                 outputs = step(model, inputs)
                 for hook in hooks:
                     outputs = hook.on_outputs(outputs)
                 with contextlib.ExitStack() as scope:
                     for hook in hooks:
                         scope.enter_context(hook.batch_scope())
-                    evaluator.process(progress.first_batch + k, outputs, targets, ids)
+                    evaluator.process(index, outputs, targets, ids)
                     progress.samples += int(ids.numel())
                     progress.batches += 1
                 for hook in hooks:
@@ -122,17 +127,55 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
     return progress
 
 
+def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) -> tuple:
+    """``(inputs, targets, ids, global batch index)`` of a loader batch: a map-style tuple (batch k of the
+    shard), or a streamed batch dict (``disteval.data.wds_stream``) that carries its own batch index and the
+    positions it skipped; those are recorded in ``progress.skipped`` and in the coverage (accounted for,
+    not evaluated) and counted as done."""
+    if not isinstance(batch, dict):
+        inputs, targets, ids = batch
+        return inputs, targets, ids, progress.first_batch + k
+    skipped = batch["skipped"]
+    if skipped.numel():
+        progress.skipped.extend(int(i) for i in skipped)
+        evaluator.coverage.update(skipped)
+        progress.samples += int(skipped.numel())
+    return batch["inputs"], batch["targets"], batch["sample_ids"], int(batch["batch"])
+
+
+def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, LoopProgress]:
+    """The DataLoader over this rank's planned shard ranges (``batch_size=None``: the stream yields whole
+    batches) and the progress to start from. Resuming (``spec.skip`` samples done) needs at most one loader
+    worker: the checkpoint holds one count per rank. Raises ValueError for another sampler than exact."""
+    if spec.sampler != "exact":
+        raise ValueError(f"data.sampler={spec.sampler} does not apply to streamed shards (always exact)")
+    if spec.skip and spec.num_workers > 1:
+        raise ValueError("resuming data=webdataset with data.num_workers > 1 is not supported yet")
+    b = spec.batch_size if spec.aligned else None
+    start, end = source.bounds(spec.world_size, spec.rank, b)
+    done = [spec.skip] if spec.skip else None
+    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, done)
+    context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
+    loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
+                        multiprocessing_context=context)
+    first = (start + spec.skip) // spec.batch_size if spec.aligned else start
+    return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip)
+
+
 def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: ShardSpec, *,
                    step: Callable[[Any, Any], Any] | None = None, hooks: Sequence[LoopHook] = ()) -> LoopProgress:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``) into
     ``evaluator``. ``step(model, inputs) -> outputs`` defaults to ``model(inputs).float()`` (CPU). Returns
     the LoopProgress (``samples`` includes ``spec.skip``)."""
-    loader, sampler = make_loader(dataset, spec)
-    start, end = sampler_span(sampler)
-    first = getattr(sampler, "first_batch", None)
-    if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
-        first = spec.rank * max(len(loader), 1)
-    progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
+    if isinstance(dataset, StreamSource):
+        loader, progress = _stream_loader(dataset, spec)
+    else:
+        loader, sampler = make_loader(dataset, spec)
+        start, end = sampler_span(sampler)
+        first = getattr(sampler, "first_batch", None)
+        if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
+            first = spec.rank * max(len(loader), 1)
+        progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
     step = step or (lambda m, x: m(x).float())
     return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from disteval.data.stream_plan import consumer_bounds, locate, plan_rank, shard_ranges, shard_starts
+from disteval.data.stream_plan import consumer_spans, locate, plan_rank, shard_ranges, shard_starts
 
 COUNT_SETS = [[], [0], [5], [0, 3, 0, 1], [3, 0, 7, 2, 1], [1] * 6, [11, 0, 0, 4], [2, 9, 0, 5, 3, 1]]
 
@@ -16,7 +16,8 @@ def all_plans(counts, world_size, num_workers, batch_size):
 
 
 def positions_read(counts, plans):
-    """Positions recomputed from the shard ranges alone (shard starts summed by hand, not by the planner)."""
+    """Positions recomputed from the shard ranges alone (shard starts summed by hand, not by the planner), in
+    the order the consumers read them (rank by rank, worker by worker)."""
     starts = [sum(counts[:s]) for s in range(len(counts))]
     return [starts[r.shard] + i for p in plans for r in p.ranges for i in range(r.first, r.stop)]
 
@@ -27,9 +28,11 @@ def test_every_position_exactly_once_in_order(counts):
     for w, k, b in itertools.product(range(1, 6), range(0, 4), (None, 1, 2, 3, 4)):
         plans = all_plans(counts, w, k, b)
         assert len(plans) == w * max(1, k)
-        assert positions_read(counts, plans) == list(range(n)), (w, k, b)
+        assert sorted(positions_read(counts, plans)) == list(range(n)), (w, k, b)
         for p in plans:
-            assert sum(len(r) for r in p.ranges) == len(p) == p.end - p.start
+            assert sum(len(r) for r in p.ranges) == len(p) == sum(e - a for a, e in p.spans)
+            read = positions_read(counts, [p])
+            assert read == sorted(read)
             assert all(counts[r.shard] > 0 and 0 <= r.first < r.stop <= counts[r.shard] for r in p.ranges)
 
 
@@ -48,13 +51,14 @@ def test_imbalance(counts):
 
 @pytest.mark.parametrize("counts", COUNT_SETS)
 def test_no_shard_read_twice(counts):
-    """Each (shard, sample) is in exactly one range, and a shard is split only at consumer boundaries: at most
-    one range per consumer and shard."""
+    """Each (shard, sample) is in exactly one range of one consumer; sample-even plans split a shard only at
+    consumer boundaries (at most one range per consumer and shard)."""
     for w, k, b in itertools.product(range(1, 6), range(0, 4), (None, 2)):
         seen = {}
         for p in all_plans(counts, w, k, b):
             shards = [r.shard for r in p.ranges]
-            assert len(shards) == len(set(shards))
+            if b is None:
+                assert len(shards) == len(set(shards))
             for r in p.ranges:
                 for i in range(r.first, r.stop):
                     assert (r.shard, i) not in seen
@@ -71,10 +75,20 @@ def test_global_batches_do_not_depend_on_world_or_workers(counts):
         expected = {tuple(range(i, min(i + b, n))) for i in range(0, n, b)}
         for w, k in itertools.product(range(1, 6), range(0, 4)):
             got = set()
-            for p in all_plans(counts, w, k, b):
-                assert p.start % b == 0 or p.start == p.end
-                assert p.first_batch == p.start // b
-                got |= {tuple(range(i, min(i + b, p.end))) for i in range(p.start, p.end, b)}
+            for r in range(w):
+                plans = plan_rank(counts, w, r, k, b)
+                for p in plans:
+                    assert all(a % b == 0 and (e - a == b or e == n) for a, e in p.spans)
+                    got |= {tuple(range(a, e)) for a, e in p.spans}
+                # torch's DataLoader asks workers 0, 1, .., K-1, 0, .. (skipping exhausted ones) and delivers in
+                # request order: the rank must see its batches in increasing global order
+                queues = [[a // b for a, _ in p.spans] for p in plans]
+                delivered = []
+                while any(queues):
+                    for q in queues:
+                        if q:
+                            delivered.append(q.pop(0))
+                assert delivered == sorted(delivered), (w, k, b, delivered)
             assert got == expected, (w, k, b)
 
 
@@ -91,10 +105,12 @@ def test_resume_skips_done_batches():
     counts = [5, 0, 7, 3]
     full = plan_rank(counts, 2, 1, 2, 2)
     resumed = plan_rank(counts, 2, 1, 2, 2, done=[2, 0])
-    assert resumed[0].start == full[0].start + 2 and resumed[0].end == full[0].end and resumed[0].done == 2
+    assert resumed[0].spans == full[0].spans[1:] and resumed[0].done == 2
     assert resumed[1] == full[1]
-    assert positions_read(counts, resumed) == [p for p in positions_read(counts, full) if p not in
-                                               range(full[0].start, full[0].start + 2)]
+    first = full[0].spans[0]
+    assert positions_read(counts, resumed) == [p for p in positions_read(counts, full) if p not in range(*first)]
+    fast = plan_rank(counts, 2, 0, 2, None, done=[3, 0])
+    assert fast[0].spans == ((3, 4),) and plan_rank(counts, 2, 0, 2, None)[0].spans == ((0, 4),)
     with pytest.raises(ValueError, match="whole number of batches"):
         plan_rank(counts, 2, 1, 2, 2, done=[1, 0])
     with pytest.raises(ValueError, match="num_workers"):
@@ -103,8 +119,8 @@ def test_resume_skips_done_batches():
 
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        consumer_bounds(10, 2, 2, 0, 0, None)
+        consumer_spans(10, 2, 2, 0, 0, None)
     with pytest.raises(ValueError):
-        consumer_bounds(10, 2, 0, 2, 2, None)
+        consumer_spans(10, 2, 0, 2, 2, None)
     with pytest.raises(ValueError):
         shard_starts([1, -1])

@@ -114,17 +114,21 @@ def test_grid_bit_identical_to_map_style_and_w1(shard_set):
 
 
 def test_real_dataloader_workers(shard_set):
-    """Through torch's DataLoader with worker processes (W=2, 2 workers): the same ids and inputs."""
+    """Through torch's DataLoader with worker processes (W=2, 2 workers): the same ids and inputs, and each
+    rank receives its global batches in increasing order."""
     out, paths, images, _ = shard_set
     shards = load_index(str(out / "index.json"), paths)
     counts = [s.num_samples for s in shards]
     seen = []
     for r in range(2):
         ds = ShardStream(shards, plan_rank(counts, 2, r, 2, B), B, FMT)
+        order = []
         for b in DataLoader(ds, batch_size=None, num_workers=2):
+            order.append(b["batch"])
             ids = b["sample_ids"]
             assert torch.equal(b["inputs"][:, 0], torch.from_numpy(images[ids.numpy()].astype(np.float32) / 255.0))
             seen += ids.tolist()
+        assert order == sorted(order) and len(order) > 2  # global batches arrive in increasing order
     assert sorted(seen) == list(range(sum(SIZES)))
 
 
@@ -225,16 +229,16 @@ def test_pipe_urls_need_opt_in():
 
 
 def test_resume_mid_shard_equals_uninterrupted(shard_set):
-    """Worker 0 of rank 0 stops after 3 batches (mid-shard: shard 2 holds positions 37..41); the resumed plan
-    reads the rest; together they equal the uninterrupted run."""
+    """Worker 1 of rank 0 stops after 3 batches (its batches 1, 3, 5: positions 4..7, 12..15, 20..23, inside
+    shard 1 of 37 samples); the resumed plan reads the rest; together they equal the uninterrupted run."""
     out, paths, _, _ = shard_set
     shards = load_index(str(out / "index.json"), paths)
     counts = [s.num_samples for s in shards]
     full, _, _ = _streamed(shards, 1, 2)
     plans = plan_rank(counts, 1, 0, 2, B)
     first = ShardStream(shards, plans, B, FMT)
-    part = list(itertools.islice(first.iter_worker(1), 3))  # worker 1 starts at position 40, inside shard 2
-    assert plans[1].start == 40 and part[0]["sample_ids"].tolist() == [40, 41, 42, 43]
+    part = list(itertools.islice(first.iter_worker(1), 3))
+    assert [b["batch"] for b in part] == [1, 3, 5] and part[2]["sample_ids"].tolist() == [20, 21, 22, 23]
     done = [0, 3 * B]
     resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, done=done), B, FMT)
     model, got = _model(), {}

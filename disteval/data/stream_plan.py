@@ -8,15 +8,18 @@ A *consumer* is one (rank, worker) pair; ``num_workers=0`` (loading in the rank'
 consumer per rank. The rank's range comes from the same rule as map-style shards (``disteval.common.ranges``):
 
 - batch-aligned (``batch_size`` given, ``eval.mode=bitwise``): the rank holds whole global batches
-  (``batch_aligned_bounds``) and its batches are split among its workers in contiguous blocks
-  (``shard_bounds`` over batches). Global batch b is positions ``[bB, min((b+1)B, N))`` at every W and
-  worker count; consumers differ by at most one batch.
+  (``batch_aligned_bounds``) and deals them to its workers round-robin: worker k reads the rank's batches
+  k, k + K, k + 2K, ... torch's DataLoader asks its workers in the same cycle and delivers their batches in
+  request order, so the rank sees its global batches in increasing order (what the order-independent float
+  sums, ``disteval.metrics.ordered_sum``, require). Global batch b is positions ``[bB, min((b+1)B, N))`` at
+  every W and worker count; a rank's workers differ by at most one batch.
 - sample-even (``batch_size=None``, ``fast``): the rank's samples are split among its workers in contiguous
   blocks; any two consumers of the run differ by at most one sample.
 
-Each consumer reads one contiguous position range, so a shard is read by at most the consumers whose ranges
-touch it, each reading only its own sample range (seeking to the index's byte offset where it has one): no
-shard is read twice in full.
+A consumer reads its position spans (one contiguous span in fast mode, one per batch when batch-aligned), each
+as per-shard sample ranges: a shard is split between consumers by sample range, each reading only its own
+ranges and seeking to the index's byte offset of a range's first sample, so every sample's bytes are read
+once (without offsets, e.g. remote URLs, a range start is reached by reading the shard's prefix).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from typing import Sequence
 
 from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_bounds
 
-__all__ = ["ConsumerPlan", "ShardRange", "consumer_bounds", "locate", "plan_rank", "shard_ranges", "shard_starts"]
+__all__ = ["ConsumerPlan", "ShardRange", "consumer_spans", "locate", "plan_rank", "rank_bounds", "shard_ranges",
+           "shard_starts"]
 
 
 @dataclass(frozen=True)
@@ -45,19 +49,23 @@ class ShardRange:
 
 @dataclass(frozen=True)
 class ConsumerPlan:
-    """What consumer (rank, worker) reads: positions ``[start, end)`` as ``ranges`` in position order.
-    ``done`` positions at the front of the original range were already evaluated (resume) and are not in
-    ``start..end``; ``first_batch`` is the global batch index of ``start`` when batch-aligned, else None."""
+    """What consumer (rank, worker) reads: position ``spans`` (half-open, increasing) as ``ranges`` in
+    position order. ``done`` positions at the front of the consumer's spans were already evaluated (resume)
+    and are left out; ``batch_size`` is B when batch-aligned (batch of position p: ``p // B``), else None."""
     rank: int
     worker: int
-    start: int
-    end: int
+    spans: tuple[tuple[int, int], ...]
     done: int
-    first_batch: int | None
+    batch_size: int | None
     ranges: tuple[ShardRange, ...]
 
     def __len__(self) -> int:
-        return self.end - self.start
+        return sum(b - a for a, b in self.spans)
+
+    @property
+    def start(self) -> int:
+        """The first position to read (the end of the rank's range when there is none)."""
+        return self.spans[0][0] if self.spans else -1
 
 
 def shard_starts(counts: Sequence[int]) -> list[int]:
@@ -89,9 +97,9 @@ def shard_ranges(starts: Sequence[int], start: int, end: int) -> tuple[ShardRang
     return tuple(out)
 
 
-def consumer_bounds(num_samples: int, world_size: int, rank: int, num_workers: int, worker: int,
-                    batch_size: int | None) -> tuple[int, int]:
-    """``[start, end)`` positions of consumer (rank, worker) as described in the module docstring.
+def consumer_spans(num_samples: int, world_size: int, rank: int, num_workers: int, worker: int,
+                   batch_size: int | None) -> list[tuple[int, int]]:
+    """Position spans of consumer (rank, worker) as described in the module docstring (non-empty, increasing).
     ``num_workers`` 0 means one consumer (worker 0). Raises ValueError for bad W, rank, worker or B."""
     k = max(1, num_workers)
     if not 0 <= worker < k:
@@ -99,17 +107,33 @@ def consumer_bounds(num_samples: int, world_size: int, rank: int, num_workers: i
     if batch_size is None:
         start, end = shard_bounds(num_samples, world_size, rank)
         a, b = shard_bounds(end - start, k, worker)
-        return start + a, start + b
+        return [(start + a, start + b)] if b > a else []
     start, end = batch_aligned_bounds(num_samples, batch_size, world_size, rank)
-    a, b = shard_bounds(num_batches(end - start, batch_size), k, worker)
-    return min(start + a * batch_size, end), min(start + b * batch_size, end)
+    return [(p, min(p + batch_size, end)) for p in range(start + worker * batch_size, end, k * batch_size)]
+
+
+def rank_bounds(num_samples: int, world_size: int, rank: int, batch_size: int | None) -> tuple[int, int]:
+    """``[start, end)`` of the rank: the union of its consumers' spans."""
+    if batch_size is None:
+        return shard_bounds(num_samples, world_size, rank)
+    return batch_aligned_bounds(num_samples, batch_size, world_size, rank)
+
+
+def _drop_front(spans: list[tuple[int, int]], done: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in spans:
+        cut = min(done, b - a)
+        done -= cut
+        if a + cut < b:
+            out.append((a + cut, b))
+    return out
 
 
 def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: int, batch_size: int | None,
               done: Sequence[int] | None = None) -> list[ConsumerPlan]:
     """The plans of every worker of ``rank`` (``max(1, num_workers)`` of them), from the index's per-shard
     sample counts. ``done[k]``: samples worker k already evaluated (resume; with ``batch_size`` a whole
-    number of batches unless it reaches the end of the worker's range). dp rank and size come from the
+    number of batches unless it reaches the end of the worker's spans). dp rank and size come from the
     caller (the engine), never from environment variables. Raises ValueError for a bad ``done``."""
     starts = shard_starts(counts)
     n = starts[-1]
@@ -120,13 +144,13 @@ def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: in
                          "not change across a resume)")
     plans = []
     for w in range(k):
-        start, end = consumer_bounds(n, world_size, rank, num_workers, w, batch_size)
-        skip = done[w]
-        if not 0 <= skip <= end - start:
-            raise ValueError(f"worker {w}: done={skip} outside its {end - start} samples")
-        if batch_size is not None and skip % batch_size and start + skip != end:
+        spans = consumer_spans(n, world_size, rank, num_workers, w, batch_size)
+        total, skip = sum(b - a for a, b in spans), done[w]
+        if not 0 <= skip <= total:
+            raise ValueError(f"worker {w}: done={skip} outside its {total} samples")
+        if batch_size is not None and skip % batch_size and skip != total:
             raise ValueError(f"worker {w}: done={skip} is not a whole number of batches of {batch_size}")
-        first_batch = None if batch_size is None else (start + skip) // batch_size
-        plans.append(ConsumerPlan(rank, w, start + skip, end, skip, first_batch,
-                                  shard_ranges(starts, start + skip, end)))
+        spans = _drop_front(spans, skip)
+        ranges = tuple(r for a, b in spans for r in shard_ranges(starts, a, b))
+        plans.append(ConsumerPlan(rank, w, tuple(spans), skip, batch_size, ranges))
     return plans

@@ -7,7 +7,8 @@ Items are batches (use ``DataLoader(dataset, batch_size=None, num_workers=K)``),
 returns, stacked; None when every sample of the batch was skipped), ``targets`` (int64 [b] from ``.cls``,
 or a list of b str from ``.txt``), ``sample_ids`` (int64 [b], global positions; ``sample_name`` maps one to
 ``(url, key)``), ``skipped`` (int64 [s], positions skipped by ``on_decode_error=skip``), ``worker`` (int) and
-``batch`` (the global batch index when batch-aligned, else the consumer's batch count).
+``batch`` (the global batch index when batch-aligned, else the position of the consumer's batch's first
+sample: unique in the run either way).
 
 Batches are the planner's: batch-aligned plans yield global batch b as positions ``[bB, min((b+1)B, N))``
 minus skipped samples, so a skipped sample never moves another one into a different batch.
@@ -171,7 +172,7 @@ class ShardStream(IterableDataset):
     Args:
         shards: the index (``load_index``), in shard order.
         plans: ``plan_rank(...)`` for this rank; worker k of the DataLoader reads ``plans[k]``.
-        batch_size: B. With batch-aligned plans (``first_batch`` set) batches are global batches.
+        batch_size: B. With batch-aligned plans (``plan.batch_size`` set) batches are global batches.
         fmt: decoding and the decode-error policy (SampleFormat).
     """
 
@@ -223,30 +224,29 @@ class ShardStream(IterableDataset):
         every (rank, worker) consumer in one process this way)."""
         plan = self.plans[worker]
         decoder = self._decoder()
-        b = self.batch_size
-        aligned = plan.first_batch is not None
+        b, aligned, origin = self.batch_size, plan.batch_size is not None, plan.start
         pending: list[tuple[int, Any, Any]] = []
         skipped: list[int] = []
-        batch_no = plan.first_batch if aligned else 0
-        next_cut = (plan.start // b + 1) * b if aligned else plan.start + b
+        current = None  # the batch index of ``pending`` / ``skipped``
 
         def emit():
-            nonlocal pending, skipped, batch_no
+            nonlocal pending, skipped
             out = {"inputs": torch.stack([x for _, x, _ in pending]) if pending else None,
                    "targets": (torch.tensor([y for _, _, y in pending], dtype=torch.int64)
                                if self.target_field == "cls" else [y for _, _, y in pending]),
                    "sample_ids": torch.tensor([p for p, _, _ in pending], dtype=torch.int64),
-                   "skipped": torch.tensor(skipped, dtype=torch.int64), "worker": worker, "batch": batch_no}
-            pending, skipped, batch_no = [], [], batch_no + 1
+                   "skipped": torch.tensor(skipped, dtype=torch.int64), "worker": worker, "batch": current}
+            pending, skipped = [], []
             return out
 
         for rng in plan.ranges:
-            shard = self.shards[rng.shard]
-            for i, raw in enumerate(read_range(shard, rng, self.bytes_read)):
+            for i, raw in enumerate(read_range(self.shards[rng.shard], rng, self.bytes_read)):
                 pos = rng.position + i
-                if pos == next_cut:
-                    yield emit()
-                    next_cut += b
+                batch = pos // b if aligned else origin + (pos - origin) // b * b
+                if batch != current:
+                    if pending or skipped:
+                        yield emit()
+                    current = batch
                 try:
                     x, y = self._item(decoder, raw)
                 except DataError:
