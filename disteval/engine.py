@@ -26,6 +26,7 @@ from disteval.bootstrap import RankContext, apply_compute_settings, connect, log
 from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import startup
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
+from disteval.data.streaming import StreamSource
 from disteval.errors import CoverageError
 from disteval.faults import FaultPlan
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
@@ -71,7 +72,8 @@ class RankRun:
         self.ckpt_path = rank_dir(ctx.run_dir, ctx.rank) / CHECKPOINT
         self.ckpt_key = {"config": config_digest(cfg), "world_size": ctx.world_size, "rank": ctx.rank,
                          "shard": list(self.shard), "job": os.environ.get("SLURM_JOB_ID")}
-        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact"
+        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not (
+            isinstance(self.dataset, StreamSource) and int(cfg.data.num_workers) > 1)  # one count per rank
         self.outcomes: list[dict] = []
 
     def evaluator(self) -> Evaluator:
@@ -142,7 +144,8 @@ class RankRun:
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
                 "batches": progress.batches, "seconds_load": self.seconds_load,
-                "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary()}
+                "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
+                **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:
         ctx, cfg = self.ctx, self.ctx.cfg
@@ -219,12 +222,27 @@ class RankRun:
                "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
-            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"])})
+            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
+            **self._decode_errors(last["rows"])})
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_warnings(results.get("warnings") or [])
         return results
 
+
+    def _decode_errors(self, rows: list[dict]) -> dict:
+        """Streamed data: ``decode_errors`` {policy, skipped, evaluated, samples ("N of M samples"), ids
+        [[shard, key], ...]} for results.json, and a console line when samples were skipped. {} otherwise."""
+        if not isinstance(self.dataset, StreamSource):
+            return {}
+        skipped = sorted(int(p) for r in rows for p in r.get("skipped", []))
+        n = len(self.dataset)
+        if skipped:
+            _say(self.ctx, f"{len(skipped)} of {n} samples did not decode and were skipped "
+                           f"(data.on_decode_error=skip; ids in results.json decode_errors)")
+        return {"decode_errors": {"policy": str(self.ctx.cfg.data.on_decode_error), "skipped": len(skipped),
+                                  "evaluated": n - len(skipped), "samples": f"{n - len(skipped)} of {n} samples",
+                                  "ids": [list(self.dataset.sample_name(p)) for p in skipped]}}
 
     def _warnings(self, rows: list[dict]) -> list[str]:
         """What the user should know although the run succeeded: the preflight's notes (an empty predictions
