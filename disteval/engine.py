@@ -72,8 +72,10 @@ class RankRun:
         self.ckpt_path = rank_dir(ctx.run_dir, ctx.rank) / CHECKPOINT
         self.ckpt_key = {"config": config_digest(cfg), "world_size": ctx.world_size, "rank": ctx.rank,
                          "shard": list(self.shard), "job": os.environ.get("SLURM_JOB_ID")}
-        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not (
-            isinstance(self.dataset, StreamSource) and int(cfg.data.num_workers) > 1)  # one count per rank
+        # streamed data in fast mode with several loader workers: their positions are not one count per rank
+        fast_multi_worker_stream = (isinstance(self.dataset, StreamSource) and not self.bitwise
+                                    and int(cfg.data.num_workers) > 1)
+        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
         self.outcomes: list[dict] = []
 
     def evaluator(self) -> Evaluator:

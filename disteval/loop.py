@@ -145,16 +145,15 @@ def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) ->
 
 def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, LoopProgress]:
     """The DataLoader over this rank's planned shard ranges (``batch_size=None``: the stream yields whole
-    batches) and the progress to start from. Resuming (``spec.skip`` samples done) needs at most one loader
-    worker: the checkpoint holds one count per rank. Raises ValueError for another sampler than exact."""
+    batches) and the progress to start from. Resuming (``spec.skip`` samples done, one count per rank): the
+    rank's batches arrived in order, so the count says where the rank is; the rest is dealt to the workers
+    again (``stream_plan.worker_spans``). Raises ValueError for another sampler than exact, or a resume of
+    a sample-even plan with several workers."""
     if spec.sampler != "exact":
         raise ValueError(f"data.sampler={spec.sampler} does not apply to streamed shards (always exact)")
-    if spec.skip and spec.num_workers > 1:
-        raise ValueError("resuming data=webdataset with data.num_workers > 1 is not supported yet")
     b = spec.batch_size if spec.aligned else None
     start, end = source.bounds(spec.world_size, spec.rank, b)
-    done = [spec.skip] if spec.skip else None
-    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, done)
+    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, spec.skip)
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
                         multiprocessing_context=context)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from disteval.data.stream_plan import consumer_spans, locate, plan_rank, shard_ranges, shard_starts
+from disteval.data.stream_plan import locate, rank_bounds, worker_spans, plan_rank, shard_ranges, shard_starts
 
 COUNT_SETS = [[], [0], [5], [0, 3, 0, 1], [3, 0, 7, 2, 1], [1] * 6, [11, 0, 0, 4], [2, 9, 0, 5, 3, 1]]
 
@@ -103,24 +103,45 @@ def test_locate_and_ranges():
 
 def test_resume_skips_done_batches():
     counts = [5, 0, 7, 3]
-    full = plan_rank(counts, 2, 1, 2, 2)
-    resumed = plan_rank(counts, 2, 1, 2, 2, done=[2, 0])
-    assert resumed[0].spans == full[0].spans[1:] and resumed[0].done == 2
-    assert resumed[1] == full[1]
-    first = full[0].spans[0]
-    assert positions_read(counts, resumed) == [p for p in positions_read(counts, full) if p not in range(*first)]
-    fast = plan_rank(counts, 2, 0, 2, None, done=[3, 0])
-    assert fast[0].spans == ((3, 4),) and plan_rank(counts, 2, 0, 2, None)[0].spans == ((0, 4),)
+    full = plan_rank(counts, 2, 1, 2, 2)  # rank 1 holds batches 4..7: positions 8..15
+    assert [p.spans for p in full] == [((8, 10), (12, 14)), ((10, 12), (14, 15))]
+    resumed = plan_rank(counts, 2, 1, 2, 2, done=2)  # batch 4 done: batches 5..7 dealt again from worker 0
+    assert [p.spans for p in resumed] == [((10, 12), (14, 15)), ((12, 14),)] and resumed[0].done == 2
+    assert sorted(positions_read(counts, resumed)) == list(range(10, 15))
+    assert plan_rank(counts, 2, 1, 2, 2, done=7)[0].spans == ()
+    fast = plan_rank(counts, 2, 0, 0, None, done=3)
+    assert fast[0].spans == ((3, 8),) and plan_rank(counts, 2, 0, 0, None)[0].spans == ((0, 8),)
     with pytest.raises(ValueError, match="whole number of batches"):
-        plan_rank(counts, 2, 1, 2, 2, done=[1, 0])
-    with pytest.raises(ValueError, match="num_workers"):
-        plan_rank(counts, 2, 1, 2, 2, done=[0])
+        plan_rank(counts, 2, 1, 2, 2, done=1)
+    with pytest.raises(ValueError, match="several workers"):
+        plan_rank(counts, 2, 0, 2, None, done=2)
+    with pytest.raises(ValueError, match="outside"):
+        plan_rank(counts, 2, 1, 2, 2, done=8)
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        consumer_spans(10, 2, 2, 0, 0, None)
+        rank_bounds(10, 2, 2, None)
     with pytest.raises(ValueError):
-        consumer_spans(10, 2, 0, 2, 2, None)
+        worker_spans(0, 5, 2, 2, None)
     with pytest.raises(ValueError):
         shard_starts([1, -1])
+
+
+@pytest.mark.parametrize("counts", COUNT_SETS)
+def test_resumed_plans_cover_the_rest_in_delivery_order(counts):
+    """After m of the rank's batches (delivered in increasing order), the resumed plans hold exactly the
+    rank's remaining positions and the DataLoader's worker cycle still delivers them in increasing order."""
+    for w, k, b in itertools.product(range(1, 4), range(0, 4), (1, 3)):
+        for r in range(w):
+            full = sorted(positions_read(counts, plan_rank(counts, w, r, k, b)))
+            for m in range(0, len(full) + 1, b):
+                plans = plan_rank(counts, w, r, k, b, done=m)
+                assert sorted(positions_read(counts, plans)) == full[m:]
+                queues = [[a // b for a, _ in p.spans] for p in plans]
+                delivered = []
+                while any(queues):
+                    for q in queues:
+                        if q:
+                            delivered.append(q.pop(0))
+                assert delivered == sorted(delivered)

@@ -229,18 +229,17 @@ def test_pipe_urls_need_opt_in():
 
 
 def test_resume_mid_shard_equals_uninterrupted(shard_set):
-    """Worker 1 of rank 0 stops after 3 batches (its batches 1, 3, 5: positions 4..7, 12..15, 20..23, inside
-    shard 1 of 37 samples); the resumed plan reads the rest; together they equal the uninterrupted run."""
+    """Rank 0 of 1 with 2 workers stops after its first 3 batches (0, 1, 2: positions 0..11, inside shard 1 of
+    37 samples); the resumed plan reads the rest; together they equal the uninterrupted run."""
     out, paths, _, _ = shard_set
     shards = load_index(str(out / "index.json"), paths)
     counts = [s.num_samples for s in shards]
     full, _, _ = _streamed(shards, 1, 2)
-    plans = plan_rank(counts, 1, 0, 2, B)
-    first = ShardStream(shards, plans, B, FMT)
-    part = list(itertools.islice(first.iter_worker(1), 3))
-    assert [b["batch"] for b in part] == [1, 3, 5] and part[2]["sample_ids"].tolist() == [20, 21, 22, 23]
-    done = [0, 3 * B]
-    resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, done=done), B, FMT)
+    first = ShardStream(shards, plan_rank(counts, 1, 0, 2, B), B, FMT)
+    w0, w1 = first.iter_worker(0), first.iter_worker(1)
+    part = [next(w0), next(w1), next(w0)]  # the DataLoader's delivery order
+    assert [b["batch"] for b in part] == [0, 1, 2] and part[2]["sample_ids"].tolist() == [8, 9, 10, 11]
+    resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, done=3 * B), B, FMT)
     model, got = _model(), {}
     for b in part + list(resumed.iter_worker(0)) + list(resumed.iter_worker(1)):
         with torch.inference_mode():
@@ -287,3 +286,45 @@ def test_webdataset_split_by_node_and_worker_on_the_same_shards(shard_set, monke
     # padding the short consumers to equal batch counts (what DDP evaluation loops do) must repeat samples
     ours = [len(p) for r in range(w) for p in plan_rank(SIZES, w, r, k, None)]
     assert max(ours) - min(ours) <= 1
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loop_resume_mid_shard_equals_uninterrupted(shard_set, num_workers):
+    """Through disteval's loop (evaluate_shard with a StreamSource, real DataLoader workers): rank 0 of 2 stops
+    after 3 batches (inside shard 1); a run resumed from the evaluator state and the one samples-done count
+    gives the uninterrupted metrics bit for bit and covers the rank's ids exactly once."""
+    from disteval.data.streaming import StreamSource
+    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.metrics import ClassificationMetrics, check_coverage
+    from disteval.metrics.evaluator import Evaluator
+
+    out, paths, _, _ = shard_set
+    source = StreamSource(load_index(str(out / "index.json"), paths), FMT)
+    spec = ShardSpec(0, 2, B, num_workers=num_workers)
+    model = _model()
+    whole = Evaluator(ClassificationMetrics(10, topk=(1, 3)), bitwise=True)
+    evaluate_shard(model, source, whole, spec)
+    seen = {}
+
+    def stop(progress):
+        if progress.batches == 3:
+            seen["state"], seen["samples"] = ev.state_dict(), progress.samples
+            raise _Stop()
+
+    ev = Evaluator(ClassificationMetrics(10, topk=(1, 3)), bitwise=True)
+    with pytest.raises(_Stop):
+        evaluate_shard(model, source, ev, spec, hooks=[CallbackHook(stop)])
+    assert seen["samples"] == 3 * B
+    resumed = Evaluator(ClassificationMetrics(10, topk=(1, 3)), bitwise=True)
+    resumed.load_state_dict(seen["state"])
+    spec.skip = seen["samples"]
+    progress = evaluate_shard(model, source, resumed, spec)
+    start, end = source.bounds(2, 0, B)
+    assert progress.samples == end - start
+    assert resumed.metric.compute() == whole.metric.compute()
+    runs = resumed.coverage.runs().numpy()
+    assert start == 0 and check_coverage(np.concatenate([runs, [[end, sum(SIZES)]]]), sum(SIZES)).ok  # (start, end) runs

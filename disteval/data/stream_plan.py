@@ -30,7 +30,7 @@ from typing import Sequence
 
 from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_bounds
 
-__all__ = ["ConsumerPlan", "ShardRange", "consumer_spans", "locate", "plan_rank", "rank_bounds", "shard_ranges",
+__all__ = ["ConsumerPlan", "ShardRange", "worker_spans", "locate", "plan_rank", "rank_bounds", "shard_ranges",
            "shard_starts"]
 
 
@@ -50,8 +50,8 @@ class ShardRange:
 @dataclass(frozen=True)
 class ConsumerPlan:
     """What consumer (rank, worker) reads: position ``spans`` (half-open, increasing) as ``ranges`` in
-    position order. ``done`` positions at the front of the consumer's spans were already evaluated (resume)
-    and are left out; ``batch_size`` is B when batch-aligned (batch of position p: ``p // B``), else None."""
+    position order. ``done``: samples of the rank evaluated before a resume (left out of every consumer's
+    spans); ``batch_size`` is B when batch-aligned (batch of position p: ``p // B``), else None."""
     rank: int
     worker: int
     spans: tuple[tuple[int, int], ...]
@@ -97,60 +97,49 @@ def shard_ranges(starts: Sequence[int], start: int, end: int) -> tuple[ShardRang
     return tuple(out)
 
 
-def consumer_spans(num_samples: int, world_size: int, rank: int, num_workers: int, worker: int,
-                   batch_size: int | None) -> list[tuple[int, int]]:
-    """Position spans of consumer (rank, worker) as described in the module docstring (non-empty, increasing).
-    ``num_workers`` 0 means one consumer (worker 0). Raises ValueError for bad W, rank, worker or B."""
+def worker_spans(start: int, end: int, num_workers: int, worker: int, batch_size: int | None,
+                 done: int = 0) -> list[tuple[int, int]]:
+    """Position spans (non-empty, increasing) of loader worker ``worker`` of a rank holding ``[start, end)``
+    (``rank_bounds``), as described in the module docstring, after the rank's first ``done`` samples
+    (resume: batch-aligned, the remaining batches are dealt round-robin from worker 0 again, so that they
+    still arrive in increasing order; sample-even, only with one worker). ``num_workers`` 0 means one
+    consumer (worker 0). Raises ValueError for a bad worker, B or ``done``."""
     k = max(1, num_workers)
     if not 0 <= worker < k:
         raise ValueError(f"worker {worker} outside [0, {k})")
+    if not 0 <= done <= end - start:
+        raise ValueError(f"done={done} outside the rank's {end - start} samples")
     if batch_size is None:
-        start, end = shard_bounds(num_samples, world_size, rank)
+        if done and k > 1:
+            raise ValueError("a sample-even plan with several workers cannot resume from one count per rank")
         a, b = shard_bounds(end - start, k, worker)
-        return [(start + a, start + b)] if b > a else []
-    start, end = batch_aligned_bounds(num_samples, batch_size, world_size, rank)
-    return [(p, min(p + batch_size, end)) for p in range(start + worker * batch_size, end, k * batch_size)]
+        a, b = start + max(a, done), start + b
+        return [(a, b)] if b > a else []
+    if done % batch_size and start + done != end:
+        raise ValueError(f"done={done} is not a whole number of batches of {batch_size}")
+    first = start + done
+    return [(p, min(p + batch_size, end)) for p in range(first + worker * batch_size, end, k * batch_size)]
 
 
 def rank_bounds(num_samples: int, world_size: int, rank: int, batch_size: int | None) -> tuple[int, int]:
-    """``[start, end)`` of the rank: the union of its consumers' spans."""
+    """``[start, end)`` of the rank: the union of its consumers' spans. Raises ValueError for a bad W, rank
+    or B."""
     if batch_size is None:
         return shard_bounds(num_samples, world_size, rank)
     return batch_aligned_bounds(num_samples, batch_size, world_size, rank)
 
 
-def _drop_front(spans: list[tuple[int, int]], done: int) -> list[tuple[int, int]]:
-    out = []
-    for a, b in spans:
-        cut = min(done, b - a)
-        done -= cut
-        if a + cut < b:
-            out.append((a + cut, b))
-    return out
-
-
 def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: int, batch_size: int | None,
-              done: Sequence[int] | None = None) -> list[ConsumerPlan]:
+              done: int = 0) -> list[ConsumerPlan]:
     """The plans of every worker of ``rank`` (``max(1, num_workers)`` of them), from the index's per-shard
-    sample counts. ``done[k]``: samples worker k already evaluated (resume; with ``batch_size`` a whole
-    number of batches unless it reaches the end of the worker's spans). dp rank and size come from the
-    caller (the engine), never from environment variables. Raises ValueError for a bad ``done``."""
+    sample counts. ``done``: samples of the rank already evaluated, a prefix in delivery order (resume: the
+    checkpoint's one count per rank; see ``worker_spans``). dp rank and size come from the caller (the
+    engine), never from environment variables. Raises ValueError for a bad ``done``."""
     starts = shard_starts(counts)
-    n = starts[-1]
-    k = max(1, num_workers)
-    done = list(done) if done is not None else [0] * k
-    if len(done) != k:
-        raise ValueError(f"resume state has {len(done)} workers, the loader has {k} (data.num_workers must "
-                         "not change across a resume)")
+    start, end = rank_bounds(starts[-1], world_size, rank, batch_size)
     plans = []
-    for w in range(k):
-        spans = consumer_spans(n, world_size, rank, num_workers, w, batch_size)
-        total, skip = sum(b - a for a, b in spans), done[w]
-        if not 0 <= skip <= total:
-            raise ValueError(f"worker {w}: done={skip} outside its {total} samples")
-        if batch_size is not None and skip % batch_size and skip != total:
-            raise ValueError(f"worker {w}: done={skip} is not a whole number of batches of {batch_size}")
-        spans = _drop_front(spans, skip)
+    for w in range(max(1, num_workers)):
+        spans = worker_spans(start, end, num_workers, w, batch_size, done)
         ranges = tuple(r for a, b in spans for r in shard_ranges(starts, a, b))
-        plans.append(ConsumerPlan(rank, w, tuple(spans), skip, batch_size, ranges))
+        plans.append(ConsumerPlan(rank, w, tuple(spans), done, batch_size, ranges))
     return plans

@@ -39,8 +39,9 @@ class StreamSource:
         return rank_bounds(len(self), world_size, rank, batch_size)
 
     def stream(self, world_size: int, rank: int, num_workers: int, batch_size: int, aligned: bool,
-               done: Sequence[int] | None = None) -> ShardStream:
-        """The rank's IterableDataset (one plan per loader worker); ``done`` per worker on resume."""
+               done: int = 0) -> ShardStream:
+        """The rank's IterableDataset (one plan per loader worker); ``done``: the rank's samples already
+        evaluated (resume)."""
         plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done)
         return ShardStream(self.shards, plans, batch_size, self.fmt)
 
