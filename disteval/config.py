@@ -174,6 +174,9 @@ def _check_webdataset(data: "DataConfig") -> None:
         if value not in allowed:
             raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
     _at_least("data.num_classes", data.num_classes, 1, nullable=True)
+    if data.limit is not None:
+        raise ConfigError("data.limit", "is not supported with data=webdataset (the shards are evaluated whole; "
+                          "list fewer shards in data.urls)")
 
 
 @dataclass

@@ -250,7 +250,8 @@ def test_resume_mid_shard_equals_uninterrupted(shard_set):
     assert sorted(got) == sorted(full) and all(torch.equal(got[i], full[i][0]) for i in got)
 
 
-def _wds_ids(urls, rank: int, world_size: int | None, worker: int, num_workers: int, monkeypatch) -> list:
+def _wds_ids(urls, rank: int, world_size: int | None, worker: int, num_workers: int, monkeypatch,
+             epoch: int | None = None) -> list:
     """The (url, key) ids webdataset's own split_by_node + split_by_worker give one consumer. webdataset reads
     rank/world from the RANK/WORLD_SIZE environment (else an initialised process group, else rank 0 of 1)
     and the worker from WORKER/NUM_WORKERS (else torch's worker info): webdataset/utils.py
@@ -266,6 +267,8 @@ def _wds_ids(urls, rank: int, world_size: int | None, worker: int, num_workers: 
     monkeypatch.setenv("NUM_WORKERS", str(num_workers))
     pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker,
                             wds.tarfile_to_samples())
+    if epoch is not None:
+        pipe = pipe.with_epoch(epoch)
     return [(s["__url__"], s["__key__"]) for s in pipe]
 
 
@@ -328,3 +331,47 @@ def test_loop_resume_mid_shard_equals_uninterrupted(shard_set, num_workers):
     assert resumed.metric.compute() == whole.metric.compute()
     runs = resumed.coverage.runs().numpy()
     assert start == 0 and check_coverage(np.concatenate([runs, [[end, sum(SIZES)]]]), sum(SIZES)).ok  # (start, end) runs
+
+
+def test_webdataset_equal_epochs_duplicate_and_drop(shard_set, monkeypatch):
+    """webdataset's recipe for equal per-consumer sample counts under DDP, ``with_epoch(ceil(N / (W K)))``
+    (DataPipeline.with_epoch: repeat the consumer's shards, cut at n; webdataset/pipeline.py), on the same
+    shards: consumers with short shards read some samples twice, those with long shards stop early. Counted
+    here, for W=3 and 2 workers."""
+    _, paths, _, _ = shard_set
+    n, w, k = sum(SIZES), 3, 2
+    per = -(-n // (w * k))
+    ids = Counter(i for r in range(w) for j in range(k)
+                  for i in _wds_ids(paths, r, w, j, k, monkeypatch, epoch=per))
+    every = {(p, f"s-{q:08d}") for p, (a, b) in zip(paths, zip(np.cumsum([0] + SIZES), np.cumsum(SIZES)))
+             for q in range(a, b)}
+    duplicated = sum(c - 1 for c in ids.values() if c > 1)
+    dropped = len(every - set(ids))
+    assert set(ids) <= every and duplicated > 0 and dropped > 0, (duplicated, dropped)
+    # disteval's plans on the same counts: every sample once
+    assert sorted(i for r in range(w) for p in plan_rank(SIZES, w, r, k, None) for a, b in p.spans
+                  for i in range(a, b)) == list(range(n))
+
+
+def test_image_text_pairs(tmp_path):
+    """Image + ``.txt`` samples: targets are the captions (str, UTF-8), inputs the decoded RGB images."""
+    import webdataset as wds
+    from PIL import Image
+    import io
+
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, size=(7, 6, 5, 3), dtype=np.uint8)
+    path = tmp_path / "pairs.tar"
+    with wds.TarWriter(str(path)) as sink:
+        for i, img in enumerate(images):
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, format="PNG")  # lossless, so pixels compare with ==
+            sink.write({"__key__": f"p{i}", "png": buf.getvalue(), "txt": f"caption {i} \u00e9"})
+    shards = build_index([str(path)])
+    ds = ShardStream(shards, plan_rank([7], 1, 0, 0, 3), 3, SampleFormat(image_mode="rgb8", target_field="txt"))
+    batches = list(ds.iter_worker(0))
+    assert [b["targets"] for b in batches] == [[f"caption {i} \u00e9" for i in range(a, min(a + 3, 7))]
+                                               for a in (0, 3, 6)]
+    x = torch.cat([b["inputs"] for b in batches])
+    assert x.shape == (7, 3, 6, 5)
+    assert torch.equal(x, torch.from_numpy(images.astype(np.float32) / 255.0).permute(0, 3, 1, 2))

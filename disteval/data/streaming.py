@@ -114,6 +114,4 @@ def stream_source(data: Any) -> StreamSource:
     shards = load_index(path, urls)
     fmt = SampleFormat(image_mode=str(data.image_mode), target_field=str(data.target_field),
                        on_decode_error=str(data.on_decode_error))
-    if data.limit is not None:
-        raise ConfigError("data.limit", "is not supported with data=webdataset (shards are evaluated whole)")
     return StreamSource(shards, fmt)
