@@ -375,3 +375,28 @@ def test_image_text_pairs(tmp_path):
     x = torch.cat([b["inputs"] for b in batches])
     assert x.shape == (7, 3, 6, 5)
     assert torch.equal(x, torch.from_numpy(images.astype(np.float32) / 255.0).permute(0, 3, 1, 2))
+
+
+def test_without_offsets_reads_prefixes_same_samples(shard_set):
+    """An index without byte offsets (what remote URLs get) reaches a range by reading the shard's prefix:
+    same batches and pixels as with offsets, more bytes read."""
+    import dataclasses
+
+    out, paths, _, _ = shard_set
+    shards = load_index(str(out / "index.json"), paths)
+    bare = [dataclasses.replace(s, offsets=None) for s in shards]
+    counts = [s.num_samples for s in shards]
+    for w, k in ((1, 0), (3, 2)):
+        read = {}
+        for name, index in (("offsets", shards), ("bare", bare)):
+            got, read[name] = [], 0
+            for r in range(w):
+                ds = ShardStream(index, plan_rank(counts, w, r, k, B), B, FMT)
+                got += [(b["batch"], b["sample_ids"].tolist(), b["inputs"]) for j in range(max(1, k))
+                        for b in ds.iter_worker(j)]
+                read[name] += ds.bytes_read[0]
+            read[name + "_batches"] = got
+        assert [(b, i) for b, i, _ in read["offsets_batches"]] == [(b, i) for b, i, _ in read["bare_batches"]]
+        assert all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(read["offsets_batches"], read["bare_batches"]))
+        assert read["bare"] >= read["offsets"]
+    assert read["bare"] > read["offsets"]  # W=3 x 2 workers: ranges start inside shards

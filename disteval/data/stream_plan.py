@@ -129,6 +129,17 @@ def rank_bounds(num_samples: int, world_size: int, rank: int, batch_size: int | 
     return batch_aligned_bounds(num_samples, batch_size, world_size, rank)
 
 
+def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent spans joined (one worker's consecutive batches are read as one range: one open, one seek)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: int, batch_size: int | None,
               done: int = 0) -> list[ConsumerPlan]:
     """The plans of every worker of ``rank`` (``max(1, num_workers)`` of them), from the index's per-shard
@@ -140,6 +151,6 @@ def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: in
     plans = []
     for w in range(max(1, num_workers)):
         spans = worker_spans(start, end, num_workers, w, batch_size, done)
-        ranges = tuple(r for a, b in spans for r in shard_ranges(starts, a, b))
+        ranges = tuple(r for a, b in _merge(spans) for r in shard_ranges(starts, a, b))
         plans.append(ConsumerPlan(rank, w, tuple(spans), done, batch_size, ranges))
     return plans
