@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -400,3 +401,66 @@ def test_without_offsets_reads_prefixes_same_samples(shard_set):
         assert all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(read["offsets_batches"], read["bare_batches"]))
         assert read["bare"] >= read["offsets"]
     assert read["bare"] > read["offsets"]  # W=3 x 2 workers: ranges start inside shards
+
+
+def _http_server(root: Path, ranges: bool):
+    """A local HTTP server of ``root``; with ``ranges`` it answers ``Range: bytes=N-`` with 206 (Python's
+    SimpleHTTPRequestHandler ignores Range and sends the whole file, as some servers do)."""
+    import functools
+    import http.server
+    import threading
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            spec = self.headers.get("Range")
+            if not ranges or not spec:
+                return super().do_GET()
+            data = (root / self.path.lstrip("/")).read_bytes()
+            start = int(spec.split("=")[1].split("-")[0])
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(len(data) - start))
+            self.end_headers()
+            self.wfile.write(data[start:])
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.skipif(not __import__("shutil").which("curl"), reason="webdataset reads http(s) with curl")
+def test_http_shards_byte_ranges(shard_set):
+    """http shards: the index is built by streaming (webdataset's gopen, curl); each consumer asks for its
+    byte range, so the bytes read are those of local seeks; a server that ignores byte ranges is an error
+    naming the shard, never wrong samples."""
+    out, paths, images, _ = shard_set
+    local = load_index(str(out / "index.json"), paths)
+    counts = [s.num_samples for s in local]
+    for ranges in (True, False):
+        server = _http_server(Path(out), ranges)
+        try:
+            urls = [f"http://127.0.0.1:{server.server_address[1]}/{Path(p).name}" for p in paths]
+            shards = build_index(urls)
+            assert [(s.keys, s.offsets) for s in shards] == [(s.keys, s.offsets) for s in local]
+            assert all(s.size is None for s in shards)
+            read, seen = {}, []
+            for name, index in (("http", shards), ("local", local)):
+                read[name] = 0
+                for r in range(3):
+                    ds = ShardStream(index, plan_rank(counts, 3, r, 2, B), B, FMT)
+                    for j in range(2):
+                        for b in ds.iter_worker(j):
+                            if name == "http":
+                                ids = b["sample_ids"].numpy()
+                                assert torch.equal(b["inputs"][:, 0], torch.from_numpy(images[ids].astype(np.float32) / 255.0))
+                                seen += ids.tolist()
+                    read[name] += ds.bytes_read[0]
+            assert sorted(seen) == list(range(sum(SIZES))) and read["http"] == read["local"]
+            assert ranges
+        except DataError as exc:
+            assert not ranges and "ignored the byte range" in str(exc) and "/shard-0000" in str(exc)
+        finally:
+            server.shutdown()

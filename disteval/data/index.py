@@ -2,10 +2,10 @@
 
 A WebDataset shard is a POSIX tar whose consecutive members sharing a *key* (the name up to the first dot
 of the base name, webdataset's ``base_plus_ext``) form one sample. The index records, per shard, in shard
-order: ``url``, ``size`` (bytes) and ``mtime_ns`` (local files; None for remote URLs), ``num_samples``,
-``keys`` (one per sample, in tar order) and ``offsets`` (byte offset of the tar header of each sample's
-first member, local files only, else None): the streaming reader seeks there instead of reading the
-shard's prefix. Keys are grouped by webdataset's own rule (``base_plus_ext``, metadata ``__*__`` members
+order: ``url``, ``size`` (bytes) and ``mtime_ns`` (local files; None for remote URLs, which are therefore not
+checked for staleness), ``num_samples``, ``keys`` (one per sample, in tar order) and ``offsets`` (byte offset of
+the tar header of each sample's first member): the streaming reader seeks there (local files) or asks for
+that byte range (http/https) instead of reading the shard's prefix. Keys are grouped by webdataset's own rule (``base_plus_ext``, metadata ``__*__`` members
 skipped, lower-cased suffixes) so that the index and the reader agree on what a sample is.
 
 The index is written once and validated on load against the shard list and the shards' current sizes and
@@ -36,8 +36,8 @@ __all__ = ["ShardInfo", "build_index", "expand_urls", "is_local", "load_index", 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard of the index. ``offsets[i]`` is the byte offset (int) of sample i's first tar header, or
-    ``offsets`` is None when seeking is not possible (remote URL)."""
+    """One shard of the index. ``offsets[i]`` is the byte offset (int) of sample i's first tar header
+    (``offsets`` None: unknown, the reader then reads a shard's prefix to reach a range)."""
     url: str
     size: int | None
     mtime_ns: int | None
@@ -124,7 +124,7 @@ def scan_shard(url: str) -> ShardInfo:
         raise
     except (OSError, tarfile.TarError, EOFError) as exc:
         raise DataError(f"shard {url} is unreadable or truncated: {type(exc).__name__}: {exc}") from exc
-    return ShardInfo(url, size, mtime, len(keys), tuple(keys), tuple(offsets) if path is not None else None)
+    return ShardInfo(url, size, mtime, len(keys), tuple(keys), tuple(offsets))
 
 
 def _check_end(url: str, path: str, end: int, size: int) -> None:

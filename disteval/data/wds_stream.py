@@ -75,13 +75,25 @@ def sample_name(shards: Sequence[ShardInfo], starts: Sequence[int], position: in
     return shards[s].url, shards[s].keys[i]
 
 
+def _seekable(url: str) -> bool:
+    """Local files seek; http(s) URLs are asked for a byte range; other schemes are read from the start."""
+    return local_path(url) is not None or url.startswith(("http://", "https://"))
+
+
 def _open(url: str, offset: int | None) -> CountingFile:
+    """The shard from byte ``offset`` (None or 0: from the start): a local file, curl with ``-r OFFSET-``
+    (argument list, no shell) for http(s), else webdataset's ``gopen``."""
     path = local_path(url)
     try:
         if path is not None:
             f = open(path, "rb")
             if offset:
                 f.seek(offset)
+        elif offset:
+            from webdataset.gopen import Pipe
+
+            f = Pipe(["curl", "--connect-timeout", "30", "--retry", "30", "--retry-delay", "2", "-f", "-s", "-L",
+                      "-r", f"{offset}-", url], mode="rb", ignore_status=[141, 23])
         else:
             from webdataset.gopen import gopen
 
@@ -93,24 +105,31 @@ def _open(url: str, offset: int | None) -> CountingFile:
 
 def read_range(shard: ShardInfo, rng: ShardRange, counter: list[int] | None = None) -> Iterator[dict]:
     """Raw samples (webdataset dicts: ``__key__``, ``__url__``, one bytes value per field) of ``rng`` in tar
-    order. Seeks to the index's offset when it has one, else reads and discards the members of the samples
-    before the range; stops before reading the data of the first member after it. ``counter[0]`` is
+    order. Starts at the index's byte offset of the range when it has one and the URL allows it (local file,
+    http/https), else reads and discards the members of the samples before the range; stops before reading the data of the first member after it. ``counter[0]`` is
     increased by the bytes read from the shard. Raises DataError naming the shard when it is truncated,
     unreadable or disagrees with the index."""
     from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
 
     wanted = shard.keys[rng.first:rng.stop]
-    wanted_set, before = set(wanted), set(shard.keys[:rng.first]) if shard.offsets is None else set()
+    offset = shard.offsets[rng.first] if shard.offsets is not None and _seekable(shard.url) else None
+    wanted_set, before = set(wanted), set(shard.keys[:rng.first]) if offset is None else set()
+    first_member, problem = [True], []
 
     def select(fname: str) -> bool:
         key = base_plus_ext(fname)[0]
+        if first_member[0] and offset and key is not None:
+            first_member[0] = False
+            if key != wanted[0]:  # a changed shard, or a server that sent the whole file for a byte range
+                problem.append(f"shard {shard.url}: at byte {offset} the index has sample {wanted[0]!r}, the shard "
+                               f"{key!r} (the shard changed since indexing, or the server ignored the byte range)")
+                raise _EndOfRange(key)  # (tar_file_iterator appends its stream to an exception's message)
         if key in wanted_set:
             return True
         if key in before or key is None:
             return False
         raise _EndOfRange(key)
 
-    offset = shard.offsets[rng.first] if shard.offsets is not None else None
     f = _open(shard.url, offset)
 
     def members() -> Iterator[dict]:
@@ -119,6 +138,8 @@ def read_range(shard: ShardInfo, rng: ShardRange, counter: list[int] | None = No
                 m["__url__"] = shard.url
                 yield m
         except _EndOfRange:
+            if problem:
+                raise DataError(problem[0]) from None
             return
         except Exception as exc:  # tarfile.ReadError, OSError, EOFError from a cut or corrupt shard
             raise DataError(f"shard {shard.url} is truncated or unreadable at sample "
