@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -77,6 +78,7 @@ class RankRun:
                                     and int(cfg.data.num_workers) > 1)
         self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
         self.outcomes: list[dict] = []
+        self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
 
     def evaluator(self) -> Evaluator:
         """A fresh evaluator of the task's metric (one per trial)."""
@@ -86,13 +88,15 @@ class RankRun:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()
         return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
-                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None)
+                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
+                         skipped=list(self.skipped_before) if skip else [])
 
     def _resume(self, ev: Evaluator) -> int:
         ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
         if ckpt is None:
             return 0
         ev.load_state_dict(ckpt["state"])
+        self.skipped_before = [int(i) for i in ckpt["state"].get("stream_skipped", [])]
         log.info("resuming from %s: %d of %d samples already counted", self.ckpt_path, ckpt["samples_done"],
                  self.shard[1] - self.shard[0])
         return int(ckpt["samples_done"])
@@ -121,6 +125,12 @@ class RankRun:
                 return self.task.step(model, inputs, ctx.device)
         return step
 
+    @staticmethod
+    def _checkpoint_state(ev: Evaluator, progress) -> dict:
+        """The evaluator's state, plus (streamed data) the positions skipped so far, so that a resumed run
+        still lists them in results.json."""
+        return {**ev.state_dict(), "stream_skipped": torch.tensor(progress.skipped, dtype=torch.int64)}
+
     def trial(self) -> dict:
         """Evaluate the shard, synchronise, check coverage, find outlier ranks and (opt-in) synchronise once
         more without the excludable ones. Returns {metrics (rank 0), coverage, rows, outliers, exclusion,
@@ -128,8 +138,8 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
-        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, ev.state_dict(), guard.progress.samples,
-                                                        self.ckpt_key)) if self.resumable else None
+        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
+                                                        guard.progress.samples, self.ckpt_key)) if self.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)
         with display:
             with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states

@@ -28,7 +28,8 @@ class ShardSpec:
     global batches; ``eval.mode=bitwise``) or sample-even ones (``fast``). sampler: ``data.sampler``
     (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
     worker processes. collate_fn: the task's, or None for torch's default. pin_memory: page-locked host
-    batches (CUDA devices).
+    batches (CUDA devices). skipped: streamed data, the positions ``data.on_decode_error=skip`` skipped before
+    a resume (from the checkpoint), carried into ``LoopProgress.skipped``.
     """
 
     rank: int
@@ -40,6 +41,7 @@ class ShardSpec:
     num_workers: int = 0
     collate_fn: Callable | None = None
     pin_memory: bool = False
+    skipped: list = field(default_factory=list)  # streamed data: positions skipped before a resume
 
 
 @dataclass
@@ -158,7 +160,8 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
                         multiprocessing_context=context)
     first = (start + spec.skip) // spec.batch_size if spec.aligned else start
-    return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip)
+    return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip,
+                                skipped=list(spec.skipped))
 
 
 def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: ShardSpec, *,

@@ -464,3 +464,37 @@ def test_http_shards_byte_ranges(shard_set):
             assert not ranges and "ignored the byte range" in str(exc) and "/shard-0000" in str(exc)
         finally:
             server.shutdown()
+
+
+def test_resume_keeps_skipped_ids(corrupt_set, tmp_path):
+    """With data.on_decode_error=skip, a sample skipped before a preemption is still listed after the resume:
+    the engine's checkpoint state carries the skipped positions (RankRun._checkpoint_state, written and read
+    with disteval.resume's save/load_checkpoint), the resumed loop starts from them."""
+    from disteval.data.streaming import StreamSource
+    from disteval.engine import RankRun
+    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.metrics import ClassificationMetrics
+    from disteval.metrics.evaluator import Evaluator
+    from disteval.resume import load_checkpoint, save_checkpoint
+
+    out, paths, _, _ = corrupt_set
+    source = StreamSource(load_index(str(out / "index.json"), paths), SampleFormat(image_mode="l8", on_decode_error="skip"))
+    model, spec = _model(), ShardSpec(0, 1, B, num_workers=2)
+    whole = Evaluator(ClassificationMetrics(10, topk=(1,)), bitwise=True)
+    assert evaluate_shard(model, source, whole, spec).skipped == [7]
+    ev, path, key = Evaluator(ClassificationMetrics(10, topk=(1,)), bitwise=True), tmp_path / "ckpt.pt", {"k": 1}
+
+    def stop(progress):
+        if progress.batches == 3:
+            save_checkpoint(path, RankRun._checkpoint_state(ev, progress), progress.samples, key)
+            raise _Stop()
+
+    with pytest.raises(_Stop):
+        evaluate_shard(model, source, ev, spec, hooks=[CallbackHook(stop)])
+    ckpt = load_checkpoint(path, key)
+    resumed = Evaluator(ClassificationMetrics(10, topk=(1,)), bitwise=True)
+    resumed.load_state_dict(ckpt["state"])
+    spec.skip, spec.skipped = ckpt["samples_done"], [int(i) for i in ckpt["state"]["stream_skipped"]]
+    progress = evaluate_shard(model, source, resumed, spec)
+    assert progress.skipped == [7] and progress.samples == sum(SIZES)
+    assert resumed.metric.compute() == whole.metric.compute()
