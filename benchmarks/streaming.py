@@ -75,12 +75,12 @@ def _disteval(shards, workers: int) -> tuple[float, dict]:
     starts = np.cumsum([0] + [s.num_samples for s in shards])
     out = {}
     for b in batches:  # ids -> keys outside the timed pass
-        for j, p in enumerate(b["sample_ids"].tolist()):
+        for j, p in enumerate(b.sample_ids.tolist()):
             s = int(np.searchsorted(starts, p, side="right") - 1)
             key = shards[s].keys[p - starts[s]]
             if key in out:
                 out["__duplicate__"] = key
-            out[key] = (b["inputs"][j], int(b["targets"][j]))
+            out[key] = (b.inputs[j], int(b.targets[j]))
     return seconds, out
 
 
@@ -130,7 +130,7 @@ def _bytes(shards, paths, w: int, k: int, problems: list) -> tuple[int, int]:
         plans = plan_rank(counts, w, r, k, B)
         ds = ShardStream(shards, plans, B, SampleFormat(image_mode="l8"))
         for j in range(max(1, k)):
-            seen += [p for b in ds.iter_worker(j) for p in b["sample_ids"].tolist()]
+            seen += [p for b in ds.iter_worker(j) for p in b.sample_ids.tolist()]
         read += ds.bytes_read[0]
         n_ranges += sum(len(p.ranges) for p in plans)
     total = sum(os.path.getsize(p) for p in paths)

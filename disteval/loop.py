@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from disteval.data.sharding import build_sampler, sampler_span
 from disteval.data.streaming import StreamSource
+from disteval.data.wds_stream import StreamBatch
 from disteval.errors import DistevalError
 from disteval.metrics.evaluator import Evaluator
 
@@ -131,18 +132,17 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
 
 def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) -> tuple:
     """``(inputs, targets, ids, global batch index)`` of a loader batch: a map-style tuple (batch k of the
-    shard), or a streamed batch dict (``disteval.data.wds_stream``) that carries its own batch index and the
+    shard), or a ``StreamBatch`` (``disteval.data.wds_stream``) that carries its own batch index and the
     positions it skipped; those are recorded in ``progress.skipped`` and in the coverage (accounted for,
     not evaluated) and counted as done."""
-    if not isinstance(batch, dict):
+    if not isinstance(batch, StreamBatch):
         inputs, targets, ids = batch
         return inputs, targets, ids, progress.first_batch + k
-    skipped = batch["skipped"]
-    if skipped.numel():
-        progress.skipped.extend(int(i) for i in skipped)
-        evaluator.coverage.update(skipped)
-        progress.samples += int(skipped.numel())
-    return batch["inputs"], batch["targets"], batch["sample_ids"], int(batch["batch"])
+    if batch.skipped.numel():
+        progress.skipped.extend(int(i) for i in batch.skipped)
+        evaluator.coverage.update(batch.skipped)
+        progress.samples += int(batch.skipped.numel())
+    return batch.inputs, batch.targets, batch.sample_ids, int(batch.batch)
 
 
 def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, LoopProgress]:

@@ -78,15 +78,15 @@ def _streamed(shards, world_size: int, num_workers: int, **kw) -> tuple[dict, se
         ds = ShardStream(shards, plan_rank(counts, world_size, r, num_workers, B), B, SampleFormat(image_mode="l8", **kw))
         for k in range(max(1, num_workers)):
             for b in ds.iter_worker(k):
-                skipped += b["skipped"].tolist()
-                if b["inputs"] is None:
+                skipped += b.skipped.tolist()
+                if b.inputs is None:
                     continue
                 with torch.inference_mode():
-                    logits = model(b["inputs"])
-                batches.add(tuple(b["sample_ids"].tolist()))
-                for j, i in enumerate(b["sample_ids"].tolist()):
+                    logits = model(b.inputs)
+                batches.add(tuple(b.sample_ids.tolist()))
+                for j, i in enumerate(b.sample_ids.tolist()):
                     assert i not in out, f"sample {i} twice"
-                    out[i] = (logits[j].clone(), int(b["targets"][j]))
+                    out[i] = (logits[j].clone(), int(b.targets[j]))
     return out, batches, skipped
 
 
@@ -125,9 +125,9 @@ def test_real_dataloader_workers(shard_set):
         ds = ShardStream(shards, plan_rank(counts, 2, r, 2, B), B, FMT)
         order = []
         for b in DataLoader(ds, batch_size=None, num_workers=2):
-            order.append(b["batch"])
-            ids = b["sample_ids"]
-            assert torch.equal(b["inputs"][:, 0], torch.from_numpy(images[ids.numpy()].astype(np.float32) / 255.0))
+            order.append(b.batch)
+            ids = b.sample_ids
+            assert torch.equal(b.inputs[:, 0], torch.from_numpy(images[ids.numpy()].astype(np.float32) / 255.0))
             seen += ids.tolist()
         assert order == sorted(order) and len(order) > 2  # global batches arrive in increasing order
     assert sorted(seen) == list(range(sum(SIZES)))
@@ -239,13 +239,13 @@ def test_resume_mid_shard_equals_uninterrupted(shard_set):
     first = ShardStream(shards, plan_rank(counts, 1, 0, 2, B), B, FMT)
     w0, w1 = first.iter_worker(0), first.iter_worker(1)
     part = [next(w0), next(w1), next(w0)]  # the DataLoader's delivery order
-    assert [b["batch"] for b in part] == [0, 1, 2] and part[2]["sample_ids"].tolist() == [8, 9, 10, 11]
+    assert [b.batch for b in part] == [0, 1, 2] and part[2].sample_ids.tolist() == [8, 9, 10, 11]
     resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, done=3 * B), B, FMT)
     model, got = _model(), {}
     for b in part + list(resumed.iter_worker(0)) + list(resumed.iter_worker(1)):
         with torch.inference_mode():
-            logits = model(b["inputs"])
-        for j, i in enumerate(b["sample_ids"].tolist()):
+            logits = model(b.inputs)
+        for j, i in enumerate(b.sample_ids.tolist()):
             assert i not in got
             got[i] = logits[j]
     assert sorted(got) == sorted(full) and all(torch.equal(got[i], full[i][0]) for i in got)
@@ -371,9 +371,9 @@ def test_image_text_pairs(tmp_path):
     shards = build_index([str(path)])
     ds = ShardStream(shards, plan_rank([7], 1, 0, 0, 3), 3, SampleFormat(image_mode="rgb8", target_field="txt"))
     batches = list(ds.iter_worker(0))
-    assert [b["targets"] for b in batches] == [[f"caption {i} \u00e9" for i in range(a, min(a + 3, 7))]
+    assert [b.targets for b in batches] == [[f"caption {i} \u00e9" for i in range(a, min(a + 3, 7))]
                                                for a in (0, 3, 6)]
-    x = torch.cat([b["inputs"] for b in batches])
+    x = torch.cat([b.inputs for b in batches])
     assert x.shape == (7, 3, 6, 5)
     assert torch.equal(x, torch.from_numpy(images.astype(np.float32) / 255.0).permute(0, 3, 1, 2))
 
@@ -393,7 +393,7 @@ def test_without_offsets_reads_prefixes_same_samples(shard_set):
             got, read[name] = [], 0
             for r in range(w):
                 ds = ShardStream(index, plan_rank(counts, w, r, k, B), B, FMT)
-                got += [(b["batch"], b["sample_ids"].tolist(), b["inputs"]) for j in range(max(1, k))
+                got += [(b.batch, b.sample_ids.tolist(), b.inputs) for j in range(max(1, k))
                         for b in ds.iter_worker(j)]
                 read[name] += ds.bytes_read[0]
             read[name + "_batches"] = got
@@ -454,8 +454,8 @@ def test_http_shards_byte_ranges(shard_set):
                     for j in range(2):
                         for b in ds.iter_worker(j):
                             if name == "http":
-                                ids = b["sample_ids"].numpy()
-                                assert torch.equal(b["inputs"][:, 0], torch.from_numpy(images[ids].astype(np.float32) / 255.0))
+                                ids = b.sample_ids.numpy()
+                                assert torch.equal(b.inputs[:, 0], torch.from_numpy(images[ids].astype(np.float32) / 255.0))
                                 seen += ids.tolist()
                     read[name] += ds.bytes_read[0]
             assert sorted(seen) == list(range(sum(SIZES))) and read["http"] == read["local"]

@@ -2,7 +2,7 @@
 reads only its own samples (``stream_plan``), with webdataset's tar iteration (``tar_file_iterator``),
 grouping (``group_by_keys``) and decoding (``autodecode.Decoder``), and yields whole batches.
 
-Items are batches (use ``DataLoader(dataset, batch_size=None, num_workers=K)``), dicts with
+Items are batches (use ``DataLoader(dataset, batch_size=None, num_workers=K)``), ``StreamBatch`` tuples of
 ``inputs`` (float32 [b, C, H, W] in [0, 1] for images decoded as ``l8``/``rgb8``, or whatever ``transform``
 returns, stacked; None when every sample of the batch was skipped), ``targets`` (int64 [b] from ``.cls``,
 or a list of b str from ``.txt``), ``sample_ids`` (int64 [b], global positions; ``sample_name`` maps one to
@@ -20,7 +20,7 @@ differ from the index, names the shard. Nothing hangs: local shards are plain fi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 TARGET_FIELDS = ("cls", "txt")
 DECODE_ERRORS = ("raise", "skip")
 
-__all__ = ["DECODE_ERRORS", "CountingFile", "SampleFormat", "ShardStream", "read_range", "sample_name", "to_float_chw"]
+__all__ = ["DECODE_ERRORS", "CountingFile", "SampleFormat", "ShardStream", "StreamBatch", "read_range", "sample_name", "to_float_chw"]
 
 
 class _EndOfRange(Exception):
@@ -165,6 +165,17 @@ def read_range(shard: ShardInfo, rng: ShardRange, counter: list[int] | None = No
                         f"has {shard.num_samples}")
 
 
+class StreamBatch(NamedTuple):
+    """One batch of a ShardStream (fields in the module docstring). A NamedTuple: torch's DataLoader carries
+    it through worker processes and pinning as it is, and the loop tells it from a map-style batch by type."""
+    inputs: torch.Tensor | None
+    targets: Any
+    sample_ids: torch.Tensor
+    skipped: torch.Tensor
+    worker: int
+    batch: int
+
+
 @dataclass(frozen=True)
 class SampleFormat:
     """How a raw sample becomes ``(input, target)``.
@@ -205,7 +216,7 @@ class ShardStream(IterableDataset):
         self.target_field, self.on_decode_error = fmt.target_field, fmt.on_decode_error
         self.bytes_read = [0]  # in the process that iterates (a worker's count stays in the worker)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[StreamBatch]:
         info = get_worker_info()
         workers = 1 if info is None else info.num_workers
         if workers != len(self.plans):
@@ -240,7 +251,7 @@ class ShardStream(IterableDataset):
             target = bytes(target).decode("utf-8")
         return self.transform(sample[image_field]), target
 
-    def iter_worker(self, worker: int) -> Iterator[dict]:
+    def iter_worker(self, worker: int) -> Iterator[StreamBatch]:
         """The batches of consumer ``worker`` of this rank (callable without a DataLoader: tests simulate
         every (rank, worker) consumer in one process this way)."""
         plan = self.plans[worker]
@@ -252,11 +263,11 @@ class ShardStream(IterableDataset):
 
         def emit():
             nonlocal pending, skipped
-            out = {"inputs": torch.stack([x for _, x, _ in pending]) if pending else None,
-                   "targets": (torch.tensor([y for _, _, y in pending], dtype=torch.int64)
+            out = StreamBatch(torch.stack([x for _, x, _ in pending]) if pending else None,
+                              (torch.tensor([y for _, _, y in pending], dtype=torch.int64)
                                if self.target_field == "cls" else [y for _, _, y in pending]),
-                   "sample_ids": torch.tensor([p for p, _, _ in pending], dtype=torch.int64),
-                   "skipped": torch.tensor(skipped, dtype=torch.int64), "worker": worker, "batch": current}
+                              torch.tensor([p for p, _, _ in pending], dtype=torch.int64),
+                              torch.tensor(skipped, dtype=torch.int64), worker, current)
             pending, skipped = [], []
             return out
 
