@@ -118,6 +118,11 @@ class DataConfig:
     rank has the same count: such a run is marked inexact and its coverage problems are reported, not raised).
     limit: evaluate only the first ``limit`` samples (null = all). resize_size/crop_size/mean/std: the
     ImageNet-style eval transform of imagefolder data (resize short side, center crop, normalise).
+    webdataset (streamed tar shards, ``disteval/data/streaming.py``): urls (brace pattern or list of shard
+    paths/URLs), index (the shard index JSON; null: the driver builds and caches one), image_mode (``l8``
+    grey or ``rgb8``), target_field (``cls``), on_decode_error (``raise`` or ``skip``: skipped samples are
+    counted and listed in results.json), allow_pipe (accept ``pipe:`` URLs, which run shell commands),
+    num_classes (the label count, when ``model.num_classes`` does not say).
     """
 
     name: str = "digits"
@@ -134,6 +139,13 @@ class DataConfig:
     annotations: Optional[str] = None
     predictions: Optional[str] = None
     sampler: str = "exact"
+    urls: Any = None
+    index: Optional[str] = None
+    image_mode: str = "rgb8"
+    target_field: str = "cls"
+    on_decode_error: str = "raise"
+    allow_pipe: bool = False
+    num_classes: Optional[int] = None
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``data.*`` key."""
@@ -142,6 +154,8 @@ class DataConfig:
         _at_least("data.num_workers", self.num_workers, 0)
         if self.sampler not in SAMPLERS:
             raise ConfigError("data.sampler", f"{self.sampler!r} is not one of {list(SAMPLERS)}")
+        if self.name == "webdataset":
+            _check_webdataset(self)
         if self.name == "imagefolder":
             if self.resize_size < 1 or self.crop_size < 1:
                 raise ConfigError("data.crop_size" if self.crop_size < 1 else "data.resize_size",
@@ -149,6 +163,21 @@ class DataConfig:
             if len(self.mean) != 3 or len(self.std) != 3 or any(v <= 0 for v in self.std):
                 raise ConfigError("data.mean", f"data.mean and data.std need 3 values (RGB), std > 0; got "
                                   f"{list(self.mean)} / {list(self.std)}")
+
+
+def _check_webdataset(data: "DataConfig") -> None:
+    """``data=webdataset`` keys. Raises ConfigError naming the key."""
+    if data.urls is None:
+        raise ConfigError("data.urls", "data=webdataset needs data.urls (a brace pattern or a list of shards)")
+    choices = {"data.image_mode": (data.image_mode, ("l8", "rgb8")), "data.target_field": (data.target_field, ("cls",)),
+               "data.on_decode_error": (data.on_decode_error, ("raise", "skip"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(key, f"{value!r} is not one of {list(allowed)}")
+    _at_least("data.num_classes", data.num_classes, 1, nullable=True)
+    if data.limit is not None:
+        raise ConfigError("data.limit", "is not supported with data=webdataset (the shards are evaluated whole; "
+                          "list fewer shards in data.urls)")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -26,6 +27,7 @@ from disteval.bootstrap import RankContext, apply_compute_settings, connect, log
 from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import allocator, startup
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
+from disteval.data.streaming import StreamSource
 from disteval.errors import CoverageError
 from disteval.faults import FaultPlan
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
@@ -72,8 +74,12 @@ class RankRun:
         self.ckpt_path = rank_dir(ctx.run_dir, ctx.rank) / CHECKPOINT
         self.ckpt_key = {"config": config_digest(cfg), "world_size": ctx.world_size, "rank": ctx.rank,
                          "shard": list(self.shard), "job": os.environ.get("SLURM_JOB_ID")}
-        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact"
+        # streamed data in fast mode with several loader workers: their positions are not one count per rank
+        fast_multi_worker_stream = (isinstance(self.dataset, StreamSource) and not self.bitwise
+                                    and int(cfg.data.num_workers) > 1)
+        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
         self.outcomes: list[dict] = []
+        self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
 
     def evaluator(self) -> Evaluator:
         """A fresh evaluator of the task's metric (one per trial)."""
@@ -83,13 +89,15 @@ class RankRun:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()
         return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
-                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None)
+                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
+                         skipped=list(self.skipped_before) if skip else [])
 
     def _resume(self, ev: Evaluator) -> int:
         ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
         if ckpt is None:
             return 0
         ev.load_state_dict(ckpt["state"])
+        self.skipped_before = [int(i) for i in ckpt["state"].get("stream_skipped", [])]
         log.info("resuming from %s: %d of %d samples already counted", self.ckpt_path, ckpt["samples_done"],
                  self.shard[1] - self.shard[0])
         return int(ckpt["samples_done"])
@@ -118,6 +126,12 @@ class RankRun:
                 return self.task.step(model, inputs, ctx.device)
         return step
 
+    @staticmethod
+    def _checkpoint_state(ev: Evaluator, progress) -> dict:
+        """The evaluator's state, plus (streamed data) the positions skipped so far, so that a resumed run
+        still lists them in results.json."""
+        return {**ev.state_dict(), "stream_skipped": torch.tensor(progress.skipped, dtype=torch.int64)}
+
     def trial(self) -> dict:
         """Evaluate the shard, synchronise, check coverage, find outlier ranks and (opt-in) synchronise once
         more without the excludable ones. Returns {metrics (rank 0), coverage, rows, outliers, exclusion,
@@ -125,8 +139,8 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
-        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, ev.state_dict(), guard.progress.samples,
-                                                        self.ckpt_key)) if self.resumable else None
+        guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
+                                                        guard.progress.samples, self.ckpt_key)) if self.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)
         with display:
             with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states
@@ -143,7 +157,8 @@ class RankRun:
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
-                "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary()}
+                "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
+                **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:
         ctx, cfg = self.ctx, self.ctx.cfg
@@ -221,12 +236,27 @@ class RankRun:
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
             "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
-            "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]])})
+            "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
+            **self._decode_errors(last["rows"])})
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_warnings(results.get("warnings") or [])
         return results
 
+
+    def _decode_errors(self, rows: list[dict]) -> dict:
+        """Streamed data: ``decode_errors`` {policy, skipped, evaluated, samples ("N of M samples"), ids
+        [[shard, key], ...]} for results.json, and a console line when samples were skipped. {} otherwise."""
+        if not isinstance(self.dataset, StreamSource):
+            return {}
+        skipped = sorted(int(p) for r in rows for p in r.get("skipped", []))
+        n = len(self.dataset)
+        if skipped:
+            _say(self.ctx, f"{len(skipped)} of {n} samples did not decode and were skipped "
+                           f"(data.on_decode_error=skip; ids in results.json decode_errors)")
+        return {"decode_errors": {"policy": str(self.ctx.cfg.data.on_decode_error), "skipped": len(skipped),
+                                  "evaluated": n - len(skipped), "samples": f"{n - len(skipped)} of {n} samples",
+                                  "ids": [list(self.dataset.sample_name(p)) for p in skipped]}}
 
     def _warnings(self, rows: list[dict]) -> list[str]:
         """What the user should know although the run succeeded: the preflight's notes (an empty predictions

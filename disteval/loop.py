@@ -8,13 +8,15 @@ import contextlib
 import multiprocessing
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from disteval.data.sharding import build_sampler, sampler_span
+from disteval.data.streaming import StreamSource
+from disteval.data.wds_stream import StreamBatch
 from disteval.errors import DistevalError
 from disteval.metrics.evaluator import Evaluator
 
@@ -27,7 +29,8 @@ class ShardSpec:
     global batches; ``eval.mode=bitwise``) or sample-even ones (``fast``). sampler: ``data.sampler``
     (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
     worker processes. collate_fn: the task's, or None for torch's default. pin_memory: page-locked host
-    batches (CUDA devices).
+    batches (CUDA devices). skipped: streamed data, the positions ``data.on_decode_error=skip`` skipped before
+    a resume (from the checkpoint), carried into ``LoopProgress.skipped``.
     """
 
     rank: int
@@ -39,6 +42,7 @@ class ShardSpec:
     num_workers: int = 0
     collate_fn: Callable | None = None
     pin_memory: bool = False
+    skipped: list = field(default_factory=list)  # streamed data: positions skipped before a resume
 
 
 @dataclass
@@ -54,6 +58,7 @@ class LoopProgress:
     samples: int = 0
     batches: int = 0
     seconds_forward: float = 0.0
+    skipped: list = field(default_factory=list)  # positions skipped by data.on_decode_error=skip (streamed data)
 
 
 class LoopHook:
@@ -121,14 +126,17 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            for k, (inputs, targets, ids) in enumerate(loader):
+            for k, batch in enumerate(loader):
+                inputs, targets, ids, index = _unpack(batch, progress, evaluator, k)
+                if inputs is None:  # every sample of this streamed batch was skipped (and counted)
+                    continue
                 outputs = step(model, inputs)
                 for hook in hooks:
                     outputs = hook.on_outputs(outputs)
                 with contextlib.ExitStack() as scope:
                     for hook in hooks:
                         scope.enter_context(hook.batch_scope())
-                    evaluator.process(progress.first_batch + k, outputs, targets, ids)
+                    evaluator.process(index, outputs, targets, ids)
                     progress.samples += int(ids.numel())
                     progress.batches += 1
                 for hook in hooks:
@@ -142,17 +150,54 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
     return progress
 
 
+def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) -> tuple:
+    """``(inputs, targets, ids, global batch index)`` of a loader batch: a map-style tuple (batch k of the
+    shard), or a ``StreamBatch`` (``disteval.data.wds_stream``) that carries its own batch index and the
+    positions it skipped; those are recorded in ``progress.skipped`` and in the coverage (accounted for,
+    not evaluated) and counted as done."""
+    if not isinstance(batch, StreamBatch):
+        inputs, targets, ids = batch
+        return inputs, targets, ids, progress.first_batch + k
+    if batch.skipped.numel():
+        progress.skipped.extend(int(i) for i in batch.skipped)
+        evaluator.coverage.update(batch.skipped)
+        progress.samples += int(batch.skipped.numel())
+    return batch.inputs, batch.targets, batch.sample_ids, int(batch.batch)
+
+
+def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, LoopProgress]:
+    """The DataLoader over this rank's planned shard ranges (``batch_size=None``: the stream yields whole
+    batches) and the progress to start from. Resuming (``spec.skip`` samples done, one count per rank): the
+    rank's batches arrived in order, so the count says where the rank is; the rest is dealt to the workers
+    again (``stream_plan.worker_spans``). Raises ValueError for another sampler than exact, or a resume of
+    a sample-even plan with several workers."""
+    if spec.sampler != "exact":
+        raise ValueError(f"data.sampler={spec.sampler} does not apply to streamed shards (always exact)")
+    b = spec.batch_size if spec.aligned else None
+    start, end = source.bounds(spec.world_size, spec.rank, b)
+    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, spec.skip)
+    context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
+    loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
+                        multiprocessing_context=context)
+    first = (start + spec.skip) // spec.batch_size if spec.aligned else start
+    return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip,
+                                skipped=list(spec.skipped))
+
+
 def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: ShardSpec, *,
                    step: Callable[[Any, Any], Any] | None = None, hooks: Sequence[LoopHook] = ()) -> LoopProgress:
     """Evaluate this rank's exact shard of ``dataset`` (items ``(input, target, sample_id)``) into
     ``evaluator``. ``step(model, inputs) -> outputs`` defaults to ``model(inputs).float()`` (CPU). Returns
     the LoopProgress (``samples`` includes ``spec.skip``)."""
-    loader, sampler = make_loader(dataset, spec)
-    start, end = sampler_span(sampler)
-    first = getattr(sampler, "first_batch", None)
-    if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
-        first = spec.rank * max(len(loader), 1)
-    progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
+    if isinstance(dataset, StreamSource):
+        loader, progress = _stream_loader(dataset, spec)
+    else:
+        loader, sampler = make_loader(dataset, spec)
+        start, end = sampler_span(sampler)
+        first = getattr(sampler, "first_batch", None)
+        if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
+            first = spec.rank * max(len(loader), 1)
+        progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
     step = step or (lambda m, x: m(x).float())
     return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
 

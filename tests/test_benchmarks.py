@@ -21,7 +21,8 @@ BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.
 TABLES = {"allocator.py": "allocator policies",
           "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
           "gather.py": "gathering float32 payloads", "startup.py": "start-up phases",
-          "sync_overhead.py": "sync overhead:", "throughput.py": "loop throughput:"}
+          "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",
+          "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
 NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py"}

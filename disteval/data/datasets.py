@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from disteval.errors import ConfigError, DataError
 
-DATASETS = ("digits", "fashion_mnist", "imagefolder")
+DATASETS = ("digits", "fashion_mnist", "imagefolder", "webdataset")
 DIGITS_TEST_FRACTION = 0.3
 _IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -237,6 +237,11 @@ def check_data_root(data: Any) -> None:
         raise ConfigError("data.split", f"{data.name} has splits {list(splits)}, not {data.split!r}")
     if data.name == "digits":
         return
+    if data.name == "webdataset":
+        from disteval.data.streaming import ensure_index
+
+        ensure_index(data)
+        return
     if data.root is None:
         raise ConfigError("data.root", f"dataset {data.name} needs data.root=PATH")
     root = Path(data.root)
@@ -258,6 +263,10 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
     """Build the dataset described by the ``data`` config node. Returns ``(dataset, num_classes)``.
 
     Raises ConfigError (bad key values) or DataError (bad files)."""
+    if data.name == "webdataset":
+        from disteval.data.streaming import stream_source
+
+        return stream_source(data), data.num_classes  # type: ignore[return-value]
     check_data_root(data)
     if data.name == "digits":
         base, num_classes = _digits(data.split), 10
@@ -273,7 +282,11 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
 
 
 def input_shape(data: Any) -> tuple[int, int, int]:
-    """Shape (C, H, W) of one input of the configured dataset (preflight)."""
+    """Shape (C, H, W) of one input of the configured dataset (preflight; webdataset: its first sample)."""
+    if data.name == "webdataset":
+        from disteval.data.streaming import stream_source
+
+        return stream_source(data).first_sample_shape()  # type: ignore[return-value]
     return {"digits": (1, 8, 8), "fashion_mnist": (1, 28, 28)}.get(data.name, (3, data.crop_size, data.crop_size))
 
 
@@ -295,4 +308,6 @@ def dataset_num_classes(data: Any) -> int:
     """Class count of the configured dataset without loading it (preflight)."""
     if data.name in ("digits", "fashion_mnist"):
         return 10
+    if data.name == "webdataset":
+        return data.num_classes
     return len(imagefolder_classes(data.root))

@@ -22,10 +22,10 @@ _LABELS = {"auroc_macro": "AUROC (macro, one-vs-rest)", "ap_macro": "AP (macro, 
 
 @register_task
 class ClassificationTask(Task):
-    """``data.name`` digits | fashion_mnist | imagefolder with a classifier of ``model.*``."""
+    """``data.name`` digits | fashion_mnist | imagefolder | webdataset with a classifier of ``model.*``."""
 
     name = "classification"
-    data_names = ("digits", "fashion_mnist", "imagefolder")
+    data_names = ("digits", "fashion_mnist", "imagefolder", "webdataset")
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -47,7 +47,7 @@ class ClassificationTask(Task):
         check_data_root(cfg.data)
         prepare_data(cfg.data)
         data_classes = dataset_num_classes(cfg.data)
-        if self.num_classes != data_classes:
+        if data_classes is not None and self.num_classes != data_classes:
             raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",
                               f"the dataset {cfg.data.name} ({cfg.data.root or 'bundled'}) has {data_classes} classes "
                               f"but the model {cfg.model.name} has {self.num_classes} outputs: labels would not line "

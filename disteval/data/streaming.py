@@ -1,0 +1,117 @@
+"""``data=webdataset``: the engine-facing streamed dataset. ``StreamSource`` has ``len() == N`` (the index's
+sample count) like a map-style dataset, and builds each rank's ``ShardStream`` from the dp rank and size the
+engine gives it (never from RANK/WORLD_SIZE). Sample ids are global positions in ``[0, N)`` (the coverage
+check works on them as for map-style data); ``sample_name`` maps one to its ``(shard url, key)``.
+
+Config keys: ``data.urls`` (brace pattern or list of paths/URLs), ``data.index`` (index JSON; None: the
+driver builds one into the cache before ranks start), ``data.image_mode`` (``l8`` grey / ``rgb8``),
+``data.target_field`` (``cls`` / ``txt``), ``data.on_decode_error`` (``raise`` / ``skip``), ``data.allow_pipe``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from disteval.data.index import ShardInfo, build_index, expand_urls, load_index, write_index
+from disteval.data.stream_plan import plan_rank, rank_bounds, shard_starts
+from disteval.data.wds_stream import SampleFormat, ShardStream, read_range, sample_name
+from disteval.errors import ConfigError, DataError
+
+__all__ = ["StreamSource", "default_index_path", "ensure_index", "stream_source"]
+
+
+class StreamSource:
+    """A validated shard index plus the sample format: what every rank builds its stream from."""
+
+    def __init__(self, shards: Sequence[ShardInfo], fmt: SampleFormat):
+        self.shards, self.fmt = list(shards), fmt
+        self.counts = [s.num_samples for s in self.shards]
+        self.starts = shard_starts(self.counts)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def bounds(self, world_size: int, rank: int, batch_size: int | None) -> tuple[int, int]:
+        """``[start, end)`` positions of the rank (union of its workers' ranges)."""
+        return rank_bounds(len(self), world_size, rank, batch_size)
+
+    def stream(self, world_size: int, rank: int, num_workers: int, batch_size: int, aligned: bool,
+               done: int = 0) -> ShardStream:
+        """The rank's IterableDataset (one plan per loader worker); ``done``: the rank's samples already
+        evaluated (resume)."""
+        plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done)
+        return ShardStream(self.shards, plans, batch_size, self.fmt)
+
+    def sample_name(self, position: int) -> tuple[str, str]:
+        """``(shard url, key)`` of a global position."""
+        return sample_name(self.shards, self.starts, position)
+
+    def first_sample_shape(self) -> tuple[int, ...] | None:
+        """The input shape of the first sample (preflight), None when there is none."""
+        s = next((i for i, c in enumerate(self.counts) if c), None)
+        if s is None:
+            return None
+        from disteval.data.stream_plan import ShardRange
+
+        stream = ShardStream(self.shards, [], 1, self.fmt)
+        raw = next(iter(read_range(self.shards[s], ShardRange(s, 0, 1, self.starts[s]))))
+        return tuple(stream._item(stream._decoder(), raw)[0].shape)
+
+
+def default_index_path(urls: Sequence[str]) -> Path:
+    """Where the driver writes an index for ``data.urls`` when ``data.index`` is unset: the disteval cache
+    (``DISTEVAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/disteval`` or ``~/.cache/disteval``), named by a digest of
+    the URL list."""
+    root = os.environ.get("DISTEVAL_CACHE_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disteval"
+    digest = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
+    return Path(root) / f"wds-index-{digest}.json"
+
+
+def _urls(data: Any) -> list[str]:
+    if data.urls is None:
+        raise ConfigError("data.urls", "data=webdataset needs data.urls (a brace pattern or a list of shards)")
+    urls = data.urls if isinstance(data.urls, str) else [str(u) for u in data.urls]
+    try:
+        return expand_urls(urls, allow_pipe=bool(data.get("allow_pipe", False)))
+    except DataError as exc:
+        raise ConfigError("data.urls", str(exc)) from exc
+
+
+def ensure_index(data: Any, out=sys.stderr) -> str:
+    """Driver-side, before ranks start: ``data.index`` validated against the shards, or (unset) the cached
+    index, validated, else built with progress on ``out`` and written. Returns the index path. Raises
+    ConfigError / DataError."""
+    urls = _urls(data)
+    if data.index is not None:
+        load_index(str(data.index), urls)
+        return str(data.index)
+    path = default_index_path(urls)
+    if path.is_file():
+        try:
+            load_index(str(path), urls)
+            return str(path)
+        except DataError as exc:
+            print(f"rebuilding the shard index: {exc}", file=out)
+    print(f"indexing {len(urls)} shards into {path} (data.index unset)", file=out)
+    shards = build_index(urls, lambda i, n, s: print(f"  [{i}/{n}] {s.url}: {s.num_samples} samples", file=out))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_index(shards, str(path))
+    return str(path)
+
+
+def stream_source(data: Any) -> StreamSource:
+    """In a rank: the validated index (``data.index`` or the driver's cached one) and the sample format.
+    Raises ConfigError / DataError (a stale or missing index names the shard and how to rebuild)."""
+    urls = _urls(data)
+    path = str(data.index) if data.index is not None else str(default_index_path(urls))
+    if data.index is None and not Path(path).is_file():
+        raise DataError(f"no shard index for data.urls at {path}: the driver builds it (python -m disteval) or "
+                        f"set data.index (python -m disteval.data.index ... -o index.json)")
+    shards = load_index(path, urls)
+    fmt = SampleFormat(image_mode=str(data.image_mode), target_field=str(data.target_field),
+                       on_decode_error=str(data.on_decode_error))
+    return StreamSource(shards, fmt)
