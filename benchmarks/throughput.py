@@ -7,10 +7,12 @@ Same job for all three methods: the shipped Fashion-MNIST CNN (``+experiment=fas
 the 10,000-image test split of Debian's dataset-fashion-mnist), the same batch size, the same intra-op threads
 (``--threads``, default 1: disteval's bitwise default), the same batch-aligned shard per rank
 (``disteval.common.ranges.batch_aligned_bounds``, what ``eval.mode=bitwise`` evaluates) and the same allocator.
-Every measured method runs in fresh child processes (W of them at world size W, as real ranks over gloo where
-the method needs a process group) started with the allocator's environment (``--allocator``, resolved by
-``disteval.common.allocator``; LD_PRELOAD and GLIBC_TUNABLES act only at exec); each child reports the
-allocator really in force (from its /proc/self/maps).
+The methods run in fresh child processes (W of them at world size W, as real ranks over gloo) started with the
+allocator's environment (``--allocator``, resolved by ``disteval.common.allocator``; LD_PRELOAD and
+GLIBC_TUNABLES act only at exec); each child reports the allocator really in force (from its /proc/self/maps).
+Every child runs all three methods, interleaved pass by pass: two fresh processes of the same program can
+differ by several percent in speed (memory layout, allocator state, thread placement), which a comparison
+of methods run in separate processes would attribute to the methods.
 
 - ``bare``: the shard's images and labels already in memory as batches (views of one tensor), then
   ``with torch.inference_mode(): for x, y in batches: correct += (model(x).argmax(1) == y).sum()``, and at
@@ -22,10 +24,10 @@ allocator really in force (from its /proc/self/maps).
 - ``torchmetrics``: the same in-memory batches, ``MulticlassAccuracy`` top-1 and top-5 (micro) updated per
   batch, ``compute()`` at the end (its own dist sync at W > 1).
 
-Per child: one warm-up pass (not timed), then ``--repeats`` timed passes, each started after a barrier at W > 1;
-a pass's time is the slowest rank's. images/s = N / that time, median over all passes of all ``--rounds``
-rounds (each round runs every method once at every W, so drift hits all alike). Also printed per method: the
-ratio to bare at the same W and the minor page faults per batch during the timed passes (rank 0; allocation
+Per child: one warm-up pass of each method (not timed), then ``--repeats`` rounds of one timed pass of each
+method in turn, each pass started after a barrier at W > 1; a pass's time is the slowest rank's. images/s = N /
+that time, median over all passes of all ``--rounds`` groups of fresh children. Also printed per method: the
+ratio to bare at the same W and the minor page faults per batch during its timed passes (rank 0; allocation
 churn that reaches the kernel).
 
 Checked (exit 1 and MISMATCH naming it, never on a speed): at every W and in every pass all methods count the
@@ -142,20 +144,26 @@ def _torchmetrics(model, batches, num_classes: int) -> dict:
 
 
 def child(args) -> None:
-    """One rank of one method: load, warm up, time ``--repeats`` passes, write a JSON record."""
+    """One rank running every method of ``--child`` (comma-separated) in the same process, interleaved: a
+    warm-up pass of each, then ``--repeats`` rounds of one timed pass of each method in turn, each pass after a
+    barrier at W > 1. Interleaving in one process gives every method the same process (the same allocator
+    state, memory layout, thread placement), so what differs between methods is the methods; an identical
+    process can otherwise be several percent faster or slower than the next. Writes a JSON record."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
     torch.set_num_threads(args.threads)
+    methods = args.child.split(",")
     job = json.loads(Path(args.job).read_text())
     cfg = OmegaConf.create(job)
     rank, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    record: dict = {"method": args.child, "rank": rank, "world_size": w, "allocator": allocator_in_force(),
-                    "seconds": [], "results": []}
+    record: dict = {"methods": {m: {"seconds": [], "results": [], "minflt": 0} for m in methods}, "rank": rank,
+                    "world_size": w, "allocator": allocator_in_force()}
     barrier = (lambda: dist.barrier()) if w > 1 else (lambda: None)
+    passes, finish = {}, []
 
-    if args.child == "disteval":
+    if "disteval" in methods:  # disteval's own bootstrap creates the process group the other methods reuse
         from disteval.bootstrap import apply_compute_settings, connect, open_records
         from disteval.comm import RankEnv, destroy_process_group
         from disteval.engine import RankRun
@@ -173,50 +181,53 @@ def child(args) -> None:
         watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, rank, w, timing, None).start()
         connect(ctx)
         apply_compute_settings(ctx)
-        record["threads"] = ctx.compute["threads"]
         run = Run(ctx)
-        batches = -(-(run.shard[1] - run.shard[0]) // int(cfg.data.batch_size))
 
-        def one():
+        def one_disteval():
             run.trial()
             s = run.last.metric.states()
             correct = s["classification.correct_topk"][0].tolist()
             return {"count": int(s["classification.count"][0]), "top1": correct[0], "top5": correct[1]}
-        finish = lambda: (watchdog.stop(), destroy_process_group())  # noqa: E731
-    else:
+        passes["disteval"] = one_disteval
+        finish.append(lambda: (watchdog.stop(), destroy_process_group()))
+    elif w > 1:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=w)
+        finish.append(dist.destroy_process_group)
+    record["threads"] = torch.get_num_threads()
+    others = [m for m in methods if m != "disteval"]
+    if others:
         from disteval.common.ranges import batch_aligned_bounds
         from disteval.tasks import resolve_task
 
-        if w > 1:
-            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=w)
         task = resolve_task(cfg)(cfg)
         dataset = task.dataset()
         model = task.model(torch.device("cpu"))
         b = int(cfg.data.batch_size)
         start, end = batch_aligned_bounds(len(dataset), b, w, rank)
         data = _in_memory_batches(dataset, start, end, b)
-        batches = len(data)
-        record["threads"] = torch.get_num_threads()
-        if args.child == "bare":
-            one = lambda: _bare(model, data, w)  # noqa: E731
-        else:
-            one = lambda: _torchmetrics(model, data, task.num_classes)  # noqa: E731
-        finish = (lambda: dist.destroy_process_group()) if w > 1 else (lambda: None)
+        passes["bare"] = lambda: _bare(model, data, w)
+        passes["torchmetrics"] = lambda: _torchmetrics(model, data, task.num_classes)
+    span = (run.shard[1] - run.shard[0]) if "disteval" in methods else (end - start)
+    batches = -(-span // int(cfg.data.batch_size))
 
-    barrier()
-    one()  # warm-up, not timed
-    flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(args.repeats):
+    for m in methods:  # warm-up, not timed
         barrier()
-        t0 = time.perf_counter()
-        res = one()
-        record["seconds"].append(time.perf_counter() - t0)
-        record["results"].append(res)
-    record["minflt_per_batch"] = ((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0)
-                                  / max(1, batches * args.repeats))
+        passes[m]()
+    for _ in range(args.repeats):
+        for m in methods:
+            barrier()
+            flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            res = passes[m]()
+            record["methods"][m]["seconds"].append(time.perf_counter() - t0)
+            record["methods"][m]["minflt"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0
+            record["methods"][m]["results"].append(res)
+    for m in methods:
+        record["methods"][m]["minflt_per_batch"] = record["methods"][m].pop("minflt") / max(1, batches * args.repeats)
     record["batches"] = batches
     barrier()
-    finish()
+    for f in finish:
+        f()
     Path(args.out).write_text(json.dumps(record))
 
 
@@ -287,7 +298,7 @@ def check(passes: dict) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--rounds", type=int, default=3, help="fresh child processes per method and W")
+    ap.add_argument("--rounds", type=int, default=3, help="groups of fresh child processes per W")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per child (after one warm-up pass)")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every rank of every method")
@@ -320,7 +331,7 @@ def main() -> int:
     overrides = [f"data.batch_size={b}", f"dist.threads={args.threads}", "eval.progress=false", "eval.mode=bitwise",
                  *([f"data.limit={n}"] if n < FULL_N else [])]
     console.print(f"fashion-mnist, {n:,} images, batch {b}, {args.threads} thread(s) per rank, world sizes "
-                  f"{args.world_sizes}, {args.rounds} round(s) x {args.repeats} pass(es) + 1 warm-up per child, "
+                  f"{args.world_sizes}, {args.rounds} round(s) x {args.repeats} pass(es) + 1 warm-up each per child, "
                   f"{os.cpu_count()} cores; allocator: requested {alloc['requested']!r} -> {alloc['name']} "
                   f"(env {alloc['env'] or '{}'})", highlight=False)
     t_start = time.perf_counter()
@@ -335,17 +346,17 @@ def main() -> int:
         try:
             for rnd in range(args.rounds):
                 for w in args.world_sizes:
+                    recs = launch(",".join(args.methods), w, args, job_path, workdir, alloc["env"])
+                    threads = {r["threads"] for r in recs}
                     for method in args.methods:
-                        recs = launch(method, w, args, job_path, workdir, alloc["env"])
-                        per_pass = [max(r["seconds"][k] for r in recs) for k in range(args.repeats)]
+                        per_pass = [max(r["methods"][method]["seconds"][k] for r in recs) for k in range(args.repeats)]
                         seconds.setdefault((w, method), []).extend(per_pass)
-                        passes.setdefault((w, method), []).extend(recs[0]["results"])
-                        faults.setdefault((w, method), []).append(recs[0]["minflt_per_batch"])
+                        passes.setdefault((w, method), []).extend(recs[0]["methods"][method]["results"])
+                        faults.setdefault((w, method), []).append(recs[0]["methods"][method]["minflt_per_batch"])
                         in_force.setdefault((w, method), {_describe(r["allocator"]) for r in recs})
-                        threads = {r["threads"] for r in recs}
                         console.print(f"  round {rnd + 1}/{args.rounds}  W={w}  {method:<12} "
                                       + "  ".join(f"{n / s:7.0f}" for s in per_pass) + " images/s  "
-                                      f"(threads {sorted(threads)}, {recs[0]['minflt_per_batch']:.1f} minor faults "
+                                      f"(threads {sorted(threads)}, {recs[0]['methods'][method]['minflt_per_batch']:.1f} minor faults "
                                       f"per batch, {recs[0]['allocator']['in_force']})", highlight=False)
         except RuntimeError as e:
             console.print("[bold red]a child failed[/]:")
