@@ -23,6 +23,10 @@ from disteval.errors import ConfigError
 
 QUICK = ("eval.progress=false", "data.batch_size=16")
 TUNED = ":".join(f"{k}={v}" for k, v in GLIBC_TUNED.items())
+# tests that start processes with the real libraries skip without them (CI installs both and fails on a skip)
+needs_libraries = pytest.mark.skipif(
+    not (find_library("tcmalloc") and find_library("jemalloc")),
+    reason="tcmalloc or jemalloc not installed: apt-get install -y libtcmalloc-minimal4 libjemalloc2")
 
 
 @pytest.fixture
@@ -93,6 +97,7 @@ def test_unknown_policy_is_refused():
         resolve("hoard", {})
 
 
+@needs_libraries
 def test_libraries_are_found_on_this_machine():
     """The Debian packages .ci/run installs, found in the standard folders (or the loader's cache)."""
     assert find_library("tcmalloc") and find_library("jemalloc")
@@ -122,6 +127,7 @@ def _in_force_of_process(env_changes: dict, code: str = "") -> dict:
     return json.loads(out.stdout)
 
 
+@needs_libraries
 @pytest.mark.parametrize("policy", ["system", "glibc-tuned", "tcmalloc", "jemalloc"])
 def test_in_force_reports_what_a_process_was_started_with(policy):
     choice = resolve(policy, {})
@@ -140,6 +146,7 @@ def test_in_force_ignores_variables_set_after_the_start():
                                               "malloc_conf": None}
 
 
+@needs_libraries
 def test_local_ranks_run_with_the_allocator_and_the_launcher_keeps_its_own(tmp_path):
     """launchers.local.launch with jemalloc: both ranks report jemalloc mapped (their own /proc/self/maps), this
     process (the launching driver) has none mapped and its environment is as before."""
@@ -157,6 +164,7 @@ def test_local_ranks_run_with_the_allocator_and_the_launcher_keeps_its_own(tmp_p
     assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours}
 
 
+@needs_libraries
 def test_run_with_jemalloc_records_it_on_every_rank(tmp_path):
     run = tmp_path / "run"
     proc = run_disteval(*QUICK, "dist.world_size=2", "dist.allocator=jemalloc", run_dir=run)
@@ -181,6 +189,7 @@ def test_submitit_jobs_export_the_allocator_to_their_ranks(tmp_path):
     assert rec["glibc_tunables"] == "glibc.malloc.trim_threshold=7:glibc.malloc.mmap_threshold=33554432"
 
 
+@needs_libraries
 def test_world_size_1_starts_a_rank_process_only_when_the_allocator_needs_one(tmp_path):
     """W=1 with tcmalloc: one rank process (pid other than the driver's) with tcmalloc in force; W=1 with
     system, and with auto (no second process for the allocator alone): evaluated in the driver, recorded as
