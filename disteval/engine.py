@@ -82,8 +82,12 @@ class RankRun:
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
 
     def evaluator(self) -> Evaluator:
-        """A fresh evaluator of the task's metric (one per trial)."""
-        return Evaluator(self.task.metric(), bitwise=self.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
+        """A fresh evaluator of the task's metric (one per trial), its states on the model's device when the
+        metric adds batches there without host synchronisation (``Metric.device_resident``)."""
+        metric = self.task.metric()
+        if metric.device_resident:
+            metric.to(self.ctx.device)
+        return Evaluator(metric, bitwise=self.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
 
     def _spec(self, skip: int) -> ShardSpec:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()

@@ -15,7 +15,12 @@ class ConfigError(DistevalError):
 
 
 class DataError(DistevalError):
-    """Bad input data: a label out of range, non-finite logits, an unreadable file. Names the sample id."""
+    """Bad input data: a label out of range, non-finite logits, an unreadable file. Names the sample id
+    (also as the attribute ``sample_id`` where one sample is at fault, else None)."""
+
+    def __init__(self, *args: object, sample_id: int | None = None):
+        super().__init__(*args)
+        self.sample_id = sample_id
 
 
 class CheckpointError(DistevalError):

@@ -45,6 +45,19 @@ def cli(tmp_path):
 PRIVILEGE_SKIP = "no permission to mount"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are deselected (reported as deselected, not skipped) on a machine without CUDA,
+    so CI, which has no GPU, neither runs nor skips them; ``scripts/gpu_check.sh`` runs them on a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With DISTEVAL_FAIL_ON_SKIP=1 (set by .ci/run) a skipped test fails the session: CI installs every
     input the tests need, so a skip there means a missing install step (except ``PRIVILEGE_SKIP``)."""

@@ -63,11 +63,25 @@ def test_counts_beyond_float32_range():
 
 
 def test_label_out_of_range_names_sample_and_label():
+    """update records a bad label on the device (no host sync per batch) and leaves its row uncounted;
+    raise_deferred (the loop's end, a checkpoint, compute) names the smallest such sample id and its label."""
     m = ClassificationMetrics(10)
-    with pytest.raises(DataError, match=r"sample id 57: label 12 outside \[0, 10\)"):
-        m.update(torch.zeros(3, 10), torch.tensor([1, 12, 3]), torch.tensor([56, 57, 58]))
+    m.update(torch.zeros(3, 10), torch.tensor([1, 12, 3]), torch.tensor([56, 57, 58]))
+    m.update(torch.zeros(2, 10), torch.tensor([-1, 4]), torch.tensor([90, 91]))
+    assert int(m.states()["count"][0]) == 3  # 57 and 90 not counted
+    with pytest.raises(DataError, match=r"sample id 57: label 12 outside \[0, 10\) \(2 such label") as err:
+        m.raise_deferred()
+    assert err.value.sample_id == 57
+    with pytest.raises(DataError, match=r"sample id 57"):
+        m.compute()
+    with pytest.raises(DataError, match=r"sample id 57"):  # a checkpoint never holds it
+        m.snapshot()
+    m2 = ClassificationMetrics(10)
+    m2.update(torch.zeros(1, 10), torch.tensor([-1]), torch.tensor([9]))
     with pytest.raises(DataError, match=r"sample id 9: label -1"):
-        m.update(torch.zeros(1, 10), torch.tensor([-1]), torch.tensor([9]))
+        m2.raise_deferred()
+    m2.reset()
+    m2.raise_deferred()  # reset forgets it
 
 
 def test_non_finite_logits_name_sample():
@@ -75,8 +89,43 @@ def test_non_finite_logits_name_sample():
     logits = torch.zeros(4, 3)
     logits[2, 1] = float("nan")
     logits[3, 0] = float("inf")
-    with pytest.raises(DataError, match=r"non-finite logits .* sample id\(s\) \[12, 13\]"):
-        m.update(logits, torch.zeros(4, dtype=torch.long), torch.tensor([10, 11, 12, 13]))
+    m.update(logits, torch.zeros(4, dtype=torch.long), torch.tensor([10, 11, 12, 13]))
+    assert int(m.states()["count"][0]) == 2
+    assert float(m.states()["ece_conf_sum"][0].sum()) == pytest.approx(2 / 3)  # nan rows add nothing
+    with pytest.raises(DataError, match=r"non-finite logits \(nan or inf\) for sample id 12 \(2 such"):
+        m.raise_deferred()
+
+
+def test_evaluator_names_the_global_batch_of_a_deferred_error():
+    from disteval.metrics.evaluator import Evaluator
+
+    ev = Evaluator(ClassificationMetrics(10))
+    ev.process(4, torch.zeros(3, 10), torch.tensor([1, 2, 3]), torch.tensor([12, 13, 14]))
+    ev.process(5, torch.zeros(3, 10), torch.tensor([1, 20, 3]), torch.tensor([15, 16, 17]))
+    with pytest.raises(DataError, match=r"sample id 16: label 20 outside \[0, 10\) .*in global batch 5"):
+        ev.finish_local()
+
+
+def test_classification_update_issues_no_host_sync():
+    """On the meta device every value is unknown, so anything that needs one on the host (``.item()``,
+    ``bool(t)``, ``if t``, ``nonzero``, boolean-mask indexing, ``bincount``, ``unique``) raises: an update
+    that runs there issues no host synchronisation and creates no data-dependent shape (the CPU stand-in
+    for ``torch.cuda.set_sync_debug_mode("error")``, which tests/test_gpu.py applies on a GPU)."""
+    with pytest.raises(Exception):  # the stand-in can fail: a data-dependent op raises on meta
+        torch.zeros(3, device="meta").nonzero()
+    from disteval.metrics.collection import MetricCollection
+    from disteval.metrics.ranking import RankingMetrics
+
+    m = MetricCollection({"classification": ClassificationMetrics(10, topk=(1, 5), ece_bins=15),
+                          "ranking": RankingMetrics(10)})
+    assert m.device_resident
+    m.to("meta")
+    for _ in range(2):
+        m.update(torch.empty(8, 10, device="meta"), torch.empty(8, dtype=torch.long, device="meta"),
+                 torch.arange(8))
+    assert all(v.device.type == "meta" for v, _ in m.states().values())
+    ml = RankingMetrics(4, multilabel=True).to("meta")
+    ml.update(torch.empty(8, 4, device="meta"), torch.empty(8, 4, dtype=torch.long, device="meta"), torch.arange(8))
 
 
 def test_wrong_logit_width_is_clear():

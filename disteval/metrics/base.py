@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, ClassVar, Iterable, Literal
 
 import torch
 
@@ -47,11 +47,32 @@ class Metric(abc.ABC):
     batch (``float_sum_states``) so that their total does not depend on the world size.
     """
 
+    #: True when ``update`` accepts outputs on the states' device and adds them there with no host
+    #: synchronisation (the engine then moves the metric to the model's device with ``to``); False: the
+    #: states stay on the CPU and ``update`` copies what it needs there.
+    device_resident: ClassVar[bool] = False
+
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
         self._reductions: dict[str, Reduction] = {}
         self._specs: dict[str, StateSpec] = {}
         self._initial: dict[str, torch.Tensor | None] = {}
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> "Metric":
+        """Keep the states on ``device`` (the model's: ``update`` then adds each batch there with no host
+        transfer; the comm layer moves them for the one synchronisation, after which ``load_synced`` holds
+        them on the CPU for ``compute``). Returns self."""
+        self.device = torch.device(device)
+        self._flush()
+        for name, value in self._states.items():
+            self._states[name] = value.to(self.device)
+        return self
+
+    def raise_deferred(self) -> None:
+        """Raise the error that ``update`` found but, to issue no host synchronisation per batch, only recorded
+        on the device (e.g. a label outside [0, C), non-finite outputs): called once after the loop and before
+        a checkpoint. Raises DataError naming the first offending sample id. Default: nothing recorded."""
 
     def add_state(self, name: str, value: torch.Tensor, reduction: Reduction = "sum", *,
                   compressible: bool = False, sliceable: bool = False, root: bool = False) -> None:
@@ -157,8 +178,10 @@ class Metric(abc.ABC):
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the local states ``{name: tensor}`` (queued work folded in first), to ``restore``
-        after a synchronisation replaced them (e.g. to synchronise again without some ranks)."""
+        after a synchronisation replaced them (e.g. to synchronise again without some ranks). Raises what
+        ``raise_deferred`` raises: a checkpoint never holds a batch that failed validation."""
         self._flush()
+        self.raise_deferred()
         return {k: v.detach().clone() for k, v in self._states.items()}
 
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
@@ -168,3 +191,5 @@ class Metric(abc.ABC):
         if missing:
             raise KeyError(f"snapshot lacks states {missing}")
         self.load_synced({k: snapshot[k].clone() for k in self._states})
+        if self.device.type != "cpu":  # back where update adds (load_synced holds states on the CPU)
+            self.to(self.device)

@@ -39,8 +39,15 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     return out
 
 
+def _no_invalid(device: torch.device) -> torch.Tensor:
+    """``ClassificationMetrics._invalid`` with nothing recorded: counts 0, first ids int64 max."""
+    none = torch.iinfo(torch.int64).max
+    return torch.tensor([0, none, 0, 0, none], dtype=torch.int64, device=device)
+
+
 class ClassificationMetrics(Metric):
-    """Accumulates classification statistics over batches of logits.
+    """Accumulates classification statistics over batches of logits, on the logits' device with no host
+    synchronisation per batch (``device_resident``).
 
     Args:
         num_classes: C, the number of classes (targets must lie in [0, C)).
@@ -70,10 +77,14 @@ class ClassificationMetrics(Metric):
         self.add_state("ece_count", torch.zeros(ece_bins, dtype=torch.int64))
         self.add_state("ece_correct", torch.zeros(ece_bins, dtype=torch.int64))
         self.add_state("ece_conf_sum", torch.zeros(ece_bins, dtype=torch.float64))
+        self._invalid = _no_invalid(self.device)
+
+    device_resident = True
 
     def check_batch(self, logits: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
-        """Validate one batch. Raises DataError naming the sample id(s) for a label outside [0, C) or
-        non-finite logits, and for shape mismatches."""
+        """Validate one batch's shapes (host metadata, no device access). Raises DataError for a shape
+        mismatch. Label range and finiteness are checked on the device by ``update`` and raised by
+        ``raise_deferred``."""
         if logits.ndim != 2 or logits.shape[1] != self.num_classes:
             raise DataError(f"model outputs logits of shape {tuple(logits.shape)} but the dataset has "
                             f"{self.num_classes} classes (expected [batch, {self.num_classes}]; check "
@@ -81,46 +92,82 @@ class ClassificationMetrics(Metric):
         if targets.shape != (logits.shape[0],) or sample_ids.shape != (logits.shape[0],):
             raise DataError(f"batch of {logits.shape[0]} logits with targets {tuple(targets.shape)} and "
                             f"sample ids {tuple(sample_ids.shape)}")
-        bad = (targets < 0) | (targets >= self.num_classes)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise DataError(f"sample id {int(sample_ids[i])}: label {int(targets[i])} outside "
-                            f"[0, {self.num_classes}) ({int(bad.sum())} such labels in this batch)")
-        finite = torch.isfinite(logits).all(dim=1)
-        if not bool(finite.all()):
-            ids = sample_ids[~finite][:5].tolist()
-            raise DataError(f"non-finite logits (nan or inf) for sample id(s) {ids} "
-                            f"({int((~finite).sum())} in this batch)")
+
+    def to(self, device):
+        super().to(device)
+        self._invalid = self._invalid.to(self.device)
+        return self
+
+    def reset(self) -> None:
+        super().reset()
+        self._invalid = _no_invalid(self.device)
 
     @torch.no_grad()
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
-        """Add a batch. outputs: logits float [B, C] (any float dtype; promoted to float64);
-        targets: int64 [B] in [0, C); sample_ids: int64 [B]. Raises DataError on bad input."""
-        outputs, targets, sample_ids = outputs.detach().cpu(), targets.cpu().long(), sample_ids.cpu()
+        """Add a batch on the states' device (``to``) with no host synchronisation: no ``.item()``, no Python
+        branch on a device value, no data-dependent shape. outputs: logits float [B, C] (any float dtype;
+        promoted to float64); targets: int64 [B] in [0, C); sample_ids: int64 [B]. A shape mismatch raises
+        DataError at once; a label outside [0, C) or a non-finite logit leaves its row uncounted and is
+        recorded on the device, raised by ``raise_deferred`` (DataError naming the first such sample id)."""
+        dev = self.device
         self.check_batch(outputs, targets, sample_ids)
-        if outputs.shape[0] == 0:
+        lg = outputs.detach().to(dev, torch.float64, non_blocking=True)
+        targets = targets.to(dev, non_blocking=True).long()
+        n = lg.shape[0]
+        if n == 0:
             return
         c = self.num_classes
-        lg = outputs.to(torch.float64)
+        in_range = (targets >= 0) & (targets < c)
+        finite = torch.isfinite(lg).all(dim=1)
+        valid = in_range & finite
+        self._record_invalid(in_range, finite, targets, sample_ids.to(dev, non_blocking=True))
+        t = targets.clamp(0, c - 1)  # rows with a bad label are masked out below
         logp = torch.log_softmax(lg, dim=1)
-        rows = torch.arange(lg.shape[0])
-        target_logit = lg[rows, targets]
+        target_logit = lg.gather(1, t[:, None])
         # rank of the target in a stable descending sort: strictly larger + equal with a lower index
-        lower = torch.arange(c).unsqueeze(0) < targets.unsqueeze(1)
-        rank = (lg > target_logit[:, None]).sum(1) + ((lg == target_logit[:, None]) & lower).sum(1)
+        lower = torch.arange(c, device=dev).unsqueeze(0) < t.unsqueeze(1)
+        rank = (lg > target_logit).sum(1) + ((lg == target_logit) & lower).sum(1)
         pred = lg.argmax(dim=1)
-        correct = pred == targets
+        correct = (pred == t) & valid
+        ones = valid.long()
         s = self._states
-        s["count"] += lg.shape[0]
-        s["correct_topk"] += torch.stack([(rank < k).sum() for k in self.topk])
-        s["confusion"] += torch.bincount(targets * c + pred, minlength=c * c).reshape(c, c)
-        s["nll_sum"] += -logp[rows, targets].sum()
+        s["count"] += ones.sum()
+        s["correct_topk"] += torch.stack([((rank < k) & valid).sum() for k in self.topk])
+        s["confusion"].view(-1).index_add_(0, t * c + pred, ones)
+        s["nll_sum"] += -torch.where(valid, logp.gather(1, t[:, None])[:, 0], 0.0).sum()
         conf = logp.max(dim=1).values.exp()
         m = self.ece_bins
-        bins = (torch.ceil(conf * m).long() - 1).clamp_(0, m - 1)
-        s["ece_count"] += torch.bincount(bins, minlength=m)
-        s["ece_correct"] += torch.bincount(bins[correct], minlength=m)
-        s["ece_conf_sum"].index_add_(0, bins, conf)
+        bins = (torch.ceil(torch.nan_to_num(conf) * m).long() - 1).clamp_(0, m - 1)
+        s["ece_count"].index_add_(0, bins, ones)
+        s["ece_correct"].index_add_(0, bins, correct.long())
+        s["ece_conf_sum"].index_add_(0, bins, torch.where(valid, conf, 0.0))
+
+    def _record_invalid(self, in_range: torch.Tensor, finite: torch.Tensor, targets: torch.Tensor,
+                        ids: torch.Tensor) -> None:
+        """Fold this batch's bad rows into ``_invalid`` int64 [5] = (labels out of range, first such sample
+        id, its label, rows with non-finite logits, first such sample id); device ops only."""
+        none = torch.iinfo(torch.int64).max
+        bad_label, bad_value = ~in_range, ~finite
+        first_label = torch.where(bad_label, ids, none).min()
+        label_of_first = torch.where(bad_label & (ids == first_label), targets, 0).sum()
+        inv = self._invalid
+        take = first_label < inv[1]
+        inv[2] = torch.where(take, label_of_first, inv[2])
+        inv[1] = torch.minimum(inv[1], first_label)
+        inv[0] += bad_label.sum()
+        inv[3] += bad_value.sum()
+        inv[4] = torch.minimum(inv[4], torch.where(bad_value, ids, none).min())
+
+    def raise_deferred(self) -> None:
+        """Raise DataError for the first sample id (smallest) whose label lay outside [0, C) or whose logits
+        held nan/inf, with how many such rows this metric saw; one host transfer."""
+        n_label, first_label, label, n_value, first_value = self._invalid.tolist()
+        if n_label:
+            raise DataError(f"sample id {first_label}: label {label} outside [0, {self.num_classes}) "
+                            f"({n_label} such label(s) on this rank)", sample_id=first_label)
+        if n_value:
+            raise DataError(f"non-finite logits (nan or inf) for sample id {first_value} "
+                            f"({n_value} such sample(s) on this rank)", sample_id=first_value)
 
     def slice_partials(self, name, block, start, stop):
         """Column sums ``[C]`` int64 of the confusion rows ``[start, stop)``."""
@@ -148,7 +195,7 @@ class ClassificationMetrics(Metric):
         if self._class_counts is not None:
             c = self._class_counts.numpy()
             return c[:, 0], c[:, 1], c[:, 2]
-        cm = self._states["confusion"].numpy()
+        cm = self._states["confusion"].cpu().numpy()
         return np.diag(cm).astype(np.int64), cm.sum(axis=1), cm.sum(axis=0)
 
     def compute(self) -> dict:
@@ -158,7 +205,8 @@ class ClassificationMetrics(Metric):
         over all C classes, as scikit-learn with ``labels=range(C)``), ``per_class_accuracy`` (list of C,
         None for classes without samples),
         ``per_class_support`` (list of C ints)."""
-        s = {k: v.numpy() for k, v in self._states.items()}
+        self.raise_deferred()
+        s = {k: v.cpu().numpy() for k, v in self._states.items()}
         n = int(s["count"])
         tp, support, predicted = self._tp_support_predicted()
         fp, fn = predicted - tp, support - tp

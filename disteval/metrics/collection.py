@@ -16,6 +16,23 @@ class MetricCollection(Metric):
         super().__init__()
         self.metrics = dict(metrics)
 
+    @property
+    def device_resident(self) -> bool:  # type: ignore[override]
+        """True when every family is (``Metric.device_resident``)."""
+        return all(m.device_resident for m in self.metrics.values())
+
+    def to(self, device):
+        """Every family's states to ``device`` (``Metric.to``). Returns self."""
+        super().to(device)
+        for m in self.metrics.values():
+            m.to(device)
+        return self
+
+    def raise_deferred(self) -> None:
+        """Each family's deferred error, in family order (``Metric.raise_deferred``)."""
+        for m in self.metrics.values():
+            m.raise_deferred()
+
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
         """Each family's ``update`` with the same batch (shapes as the families document)."""
         for m in self.metrics.values():
@@ -70,7 +87,7 @@ class MetricCollection(Metric):
             m.reset()
 
     def snapshot(self):
-        """``{"family.state": copy}`` of every family's local states."""
+        """``{"family.state": copy}`` of every family's local states (raises what ``raise_deferred`` raises)."""
         return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.snapshot().items()}
 
     def restore(self, snapshot) -> None:

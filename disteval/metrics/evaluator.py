@@ -4,11 +4,13 @@ on the world size), plus optionally a per-batch record (output digests and float
 ``python -m diagnostics compare``. Pure: synchronising it is ``disteval.sync``'s job."""
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import torch
 
 from disteval.common.digest import outputs_digest
+from disteval.errors import DataError
 from disteval.metrics.base import Metric
 from disteval.metrics.coverage import SampleIdCoverage
 from disteval.metrics.ordered_sum import BatchTreeSum
@@ -35,7 +37,7 @@ class Evaluator:
         self.float_names = list(names)
         self.float_shapes = [tuple(v.shape) for v in names.values()]
         self.tree = BatchTreeSum(sum(v.numel() for v in names.values())) if bitwise else None
-        self._log: list[tuple[int, int, int]] = []
+        self._spans = array.array("q")  # (global batch, first sample id, size) per batch, flat
         self._digests: list[torch.Tensor] = []
         self._partials: list[torch.Tensor] = []
 
@@ -44,10 +46,10 @@ class Evaluator:
         Raises what ``metric.update`` raises (DataError naming the sample)."""
         self.metric.update(outputs, targets, sample_ids)
         self.coverage.update(sample_ids)
+        n = int(sample_ids.numel())  # sample ids stay on the host: no device access
+        self._spans.extend((int(batch_index), int(sample_ids[0]) if n else -1, n))
         partial = self._fold(batch_index) if self.tree is not None else None
         if self.record_batches:
-            n = int(sample_ids.numel())
-            self._log.append((int(batch_index), int(sample_ids[0]) if n else -1, n))
             self._digests.append(outputs_digest(outputs, n))
             if partial is not None:
                 self._partials.append(partial)
@@ -61,6 +63,15 @@ class Evaluator:
         for v in floats.values():
             v.zero_()
         return flat
+
+    def batch_of(self, sample_id: int) -> int | None:
+        """The global batch index in which ``sample_id`` was processed, None if none was (sample ids are
+        consecutive within a batch: positions of the shard plan)."""
+        spans = self._spans
+        for i in range(0, len(spans), 3):
+            if spans[i + 1] <= sample_id < spans[i + 1] + spans[i + 2]:
+                return int(spans[i])
+        return None
 
     def float_total(self) -> torch.Tensor:
         """float64 [k]: this rank's folded float partials (zeros when nothing was folded)."""
@@ -77,7 +88,16 @@ class Evaluator:
 
     def finish_local(self) -> None:
         """End of this rank's loop: in bitwise mode the float sum-states receive the local tree total (for
-        per-rank summaries and checkpoints); a no-op in fast mode."""
+        per-rank summaries and checkpoints); a no-op in fast mode. First raises what the metric found wrong
+        but recorded on the device only (``Metric.raise_deferred``: DataError naming the sample id, here also
+        its global batch)."""
+        try:
+            self.metric.raise_deferred()
+        except DataError as exc:
+            batch = self.batch_of(exc.sample_id) if exc.sample_id is not None else None
+            if batch is None:
+                raise
+            raise DataError(f"{exc}, in global batch {batch}", sample_id=exc.sample_id) from None
         if self.tree is not None and self.float_names:
             self.load_float_total(self.float_total())
 
@@ -101,6 +121,7 @@ class Evaluator:
         batch order), ``partials`` (float partials per batch, bitwise mode) and ``float_states`` (names and
         shapes of the partials' parts). One host transfer, at the end."""
         digests = torch.cat([d.cpu() for d in self._digests]).tolist() if self._digests else []
-        return {"batches": [list(b) for b in self._log], "digests": digests,
+        spans = self._spans.tolist()
+        return {"batches": [spans[i:i + 3] for i in range(0, len(spans), 3)], "digests": digests,
                 "partials": torch.stack(self._partials).cpu().tolist() if self._partials else [],
                 "float_states": [[n, list(s)] for n, s in zip(self.float_names, self.float_shapes)]}

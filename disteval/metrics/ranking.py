@@ -54,6 +54,9 @@ def binary_average_precision(y: np.ndarray, s: np.ndarray) -> float | None:
     return float(np.sum(np.diff(np.concatenate(([0.0], recall))) * precision))
 
 
+_NONE = torch.iinfo(torch.int64).max
+
+
 class RankingMetrics(Metric):
     """Macro one-vs-rest AUROC and AP.
 
@@ -71,18 +74,40 @@ class RankingMetrics(Metric):
         shape = (0, num_classes) if multilabel else (0,)
         self.add_state("targets", torch.zeros(shape, dtype=torch.int64), "gather")
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._bad = torch.tensor(_NONE)  # smallest sample id with a multi-label target other than 0/1
+
+    device_resident = True
+
+    def to(self, device):
+        super().to(device)
+        self._parts = [(s.to(self.device), t.to(self.device)) for s, t in self._parts]
+        self._bad = self._bad.to(self.device)
+        return self
+
+    def reset(self) -> None:
+        super().reset()
+        self._bad = torch.tensor(_NONE, device=self.device)
+
+    def raise_deferred(self) -> None:
+        """DataError naming the smallest sample id whose multi-label targets were not all 0/1."""
+        first = int(self._bad)
+        if first != _NONE:
+            raise DataError(f"sample id {first}: multi-label targets must be 0/1", sample_id=first)
 
     @torch.no_grad()
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
         """outputs: logits float [B, C]; targets: int64 [B] (multi-class) or {0,1} [B, C] (multi-label)."""
-        logits = outputs.detach().cpu().to(torch.float64)
-        targets = targets.detach().cpu().long()
-        if logits.ndim != 2 or logits.shape[1] != self.num_classes:
-            raise DataError(f"ranking metrics expect logits [B, {self.num_classes}], got {tuple(logits.shape)}")
+        if outputs.ndim != 2 or outputs.shape[1] != self.num_classes:
+            raise DataError(f"ranking metrics expect logits [B, {self.num_classes}], got {tuple(outputs.shape)}")
+        logits = outputs.detach().to(self.device, torch.float64, non_blocking=True)
+        targets = targets.detach().to(self.device, non_blocking=True).long()
         if self.multilabel:
-            bad = (targets != 0) & (targets != 1)
-            if targets.shape != logits.shape or bool(bad.any()):
-                raise DataError(f"multi-label targets must be 0/1 of shape {tuple(logits.shape)}")
+            if targets.shape != logits.shape:
+                raise DataError(f"multi-label targets must be 0/1 of shape {tuple(logits.shape)}, "
+                                f"got {tuple(targets.shape)}")
+            bad = ((targets != 0) & (targets != 1)).any(dim=1)  # raised by raise_deferred: no host sync here
+            first = torch.where(bad, sample_ids.to(self.device, non_blocking=True), _NONE).min()
+            self._bad = torch.minimum(self._bad, first) if logits.shape[0] else self._bad
             scores = torch.sigmoid(logits)
         else:
             scores = torch.softmax(logits, dim=1)
@@ -98,8 +123,9 @@ class RankingMetrics(Metric):
     def compute(self) -> dict:
         """``auroc_macro``, ``ap_macro`` (None when no class is defined), per-class lists ``auroc``, ``ap``."""
         self._flush()
-        scores = self._states["scores"].numpy()
-        targets = self._states["targets"].numpy()
+        self.raise_deferred()
+        scores = self._states["scores"].cpu().numpy()
+        targets = self._states["targets"].cpu().numpy()
         auroc, ap = [], []
         for c in range(self.num_classes):
             y = targets[:, c].astype(bool) if self.multilabel else targets == c
