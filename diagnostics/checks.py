@@ -147,8 +147,10 @@ def convergence_trials(run: Run, probes: dict | None) -> Finding:
 
 
 def convergence_flags(run: Run, probes: dict | None) -> Finding:
-    """Settings that make results vary between runs: TF32, cuDNN benchmark, deterministic algorithms off."""
+    """Settings that make results vary between runs: TF32, cuDNN benchmark, deterministic algorithms off; and
+    the fast path's settings that change the last bits against an eager run (compile, channels_last)."""
     prec = (run.results or {}).get("precision") or {}
+    compute = (run.results or {}).get("compute") or {}
     device = str((run.results or {}).get("device") or run.cfg("dist.device", "auto"))
     if device == "auto":
         return Finding("CONVERGENCE", "flags", "skipped", "the device is not recorded (no results.json, dist.device=auto)")
@@ -159,6 +161,10 @@ def convergence_flags(run: Run, probes: dict | None) -> Finding:
         flags.append("cudnn.benchmark on")
     if not prec.get("deterministic", run.cfg("precision.deterministic", False)):
         flags.append("precision.deterministic=false")
+    if compute.get("compile", run.cfg("eval.compile", False)):
+        flags.append("eval.compile=true (compiled kernels: other last bits than eager)")
+    if compute.get("channels_last", run.cfg("model.channels_last", False)):
+        flags.append("model.channels_last=true (other convolution kernels)")
     ev = [Evidence("results.json" if prec else ".hydra/config.yaml", ", ".join(flags) or "none", field="precision")]
     if "cuda" in device and flags:
         return Finding("CONVERGENCE", "flags", "warn", f"on {device}: {', '.join(flags)} can change results between runs",

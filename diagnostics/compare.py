@@ -43,7 +43,7 @@ SHOW_IDS = 8  # sample ids named in the report
 SETTINGS = ("mode", "compute.threads", "compute.deterministic", "device", "precision.model_dtype", "precision.tf32",
             "precision.deterministic", "precision.cudnn_benchmark", "world_size", "dataset.name",
             "dataset.num_samples", "dataset.batch_size", "model.name", "model.weights", "model.checkpoint",
-            "config_digest")
+            "config_digest", "compute.compile", "compute.compile_backend", "compute.channels_last")
 NOTES = {
     "mode": "fast mode sums floats in arrival order over shards not aligned to batches: last bits can differ",
     "compute.threads": "intra-op threads change the order of float sums inside kernels",
@@ -55,6 +55,9 @@ NOTES = {
     "device": "other hardware can compute other bits",
     "dataset.batch_size": "another batch composition: batched kernels may compute other bits",
     "faults": "fault injection (DISTEVAL_FAULTS) perturbed one run",
+    "compute.compile": "compiled kernels fuse and reorder float operations: other last bits than eager",
+    "compute.compile_backend": "another torch.compile backend generates other kernels",
+    "compute.channels_last": "channels_last convolutions use other kernels: other last bits",
 }
 
 

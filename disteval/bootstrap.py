@@ -104,7 +104,8 @@ def _agree_run_dir(ctx: RankContext) -> None:
 def apply_compute_settings(ctx: RankContext) -> dict:
     """Per-rank compute settings, recorded in results.json ``compute``: ``eval.mode``; intra-op threads
     (``dist.threads``; null = 1 in bitwise mode, the cores shared among local ranks in fast mode); TF32,
-    determinism and cuDNN benchmark (off in bitwise mode). Returns the record."""
+    determinism and cuDNN benchmark (off in bitwise mode); and the fast path's model_dtype (autocast),
+    channels_last, compile (+ mode) and inference_mode (always: the loop runs under it). Returns the record."""
     cfg = ctx.cfg
     mode = str(getattr(cfg.eval.mode, "value", cfg.eval.mode))
     threads = cfg.dist.get("threads")
@@ -120,5 +121,12 @@ def apply_compute_settings(ctx: RankContext) -> dict:
         torch.backends.cudnn.benchmark = False
     ctx.compute = {"mode": mode, "threads": int(torch.get_num_threads()),
                    "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
-                   "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
+                   "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+                   "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                   "model_dtype": prec.model_dtype_name(cfg.precision),
+                   "channels_last": bool(cfg.model.get("channels_last", False)),
+                   "compile": bool(cfg.eval.get("compile", False)),
+                   "compile_mode": str(cfg.eval.get("compile_mode", "default")) if cfg.eval.get("compile") else None,
+                   "compile_backend": str(cfg.eval.get("compile_backend", "inductor")) if cfg.eval.get("compile") else None,
+                   "inference_mode": True}
     return ctx.compute

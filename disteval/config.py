@@ -25,6 +25,14 @@ from disteval.precision import check_metric_dtypes
 
 SAMPLERS = ("exact", "padded", "drop_last")
 AGGREGATES = ("mean", "median", "sigma_clip")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_backends() -> list[str]:
+    """torch.compile's registered backends (``torch._dynamo.list_backends``, imported only when asked)."""
+    import torch._dynamo  # noqa: PLC0415  (about 1.5 s: only for jobs that compile)
+
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
 
 
 def _finite_positive(key: str, value: Any, nullable: bool = False, most: float | None = None) -> None:
@@ -97,6 +105,8 @@ class ModelConfig:
     precedence over ``weights``.
     num_classes: output classes; null = the dataset's class count (or the weights' categories).
     kwargs: extra keyword arguments for the model builder (e.g. image_size for a ViT).
+    channels_last: convolutional models: parameters and 4-D inputs in ``torch.channels_last`` memory format
+    (faster convolutions on GPUs with tensor cores; off by default, recorded in results.json ``compute``).
     """
 
     name: str = "digits_cnn"
@@ -104,6 +114,7 @@ class ModelConfig:
     checkpoint: Optional[str] = None
     num_classes: Optional[int] = None
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    channels_last: bool = False
 
 
 @dataclass
@@ -123,6 +134,8 @@ class DataConfig:
     grey or ``rgb8``), target_field (``cls``), on_decode_error (``raise`` or ``skip``: skipped samples are
     counted and listed in results.json), allow_pipe (accept ``pipe:`` URLs, which run shell commands),
     num_classes (the label count, when ``model.num_classes`` does not say).
+    prefetch_factor: batches each loader worker prepares ahead (with num_workers > 0; torch's default is 2).
+    persistent_workers: keep loader workers alive between the trials of ``eval.trials`` (with num_workers > 0).
     """
 
     name: str = "digits"
@@ -146,10 +159,13 @@ class DataConfig:
     on_decode_error: str = "raise"
     allow_pipe: bool = False
     num_classes: Optional[int] = None
+    prefetch_factor: int = 4
+    persistent_workers: bool = True
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``data.*`` key."""
         _at_least("data.batch_size", self.batch_size, 1)
+        _at_least("data.prefetch_factor", self.prefetch_factor, 1)
         _at_least("data.limit", self.limit, 1, nullable=True)
         _at_least("data.num_workers", self.num_workers, 0)
         if self.sampler not in SAMPLERS:
@@ -283,7 +299,12 @@ class EvalConfig:
     record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
     partials) for ``python -m diagnostics compare``. overwrite: a run directory that holds a finished run's
     results.json is refused unless true; then the old records (results, ranks/, .hydra/, logs) are moved to
-    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``)."""
+    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``). compile: ``torch.compile`` the model (opt-in;
+    ``dynamic=False``, so every rank compiles the same static kernels for each batch shape, whatever its shard;
+    the first batch, which compiles, is timed apart as results.json ``throughput.warmup_s`` and left out of
+    the images/s). compile_mode: torch.compile's mode (default | reduce-overhead | max-autotune |
+    max-autotune-no-cudagraphs). compile_backend: torch.compile's backend (inductor; ``eager`` or ``aot_eager``
+    trace the model without generating kernels: for checking that a model compiles, and in the tests)."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -301,6 +322,9 @@ class EvalConfig:
     iou_type: str = "bbox"
     save_predictions: bool = False
     overwrite: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
+    compile_backend: str = "inductor"
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
@@ -317,6 +341,11 @@ class EvalConfig:
         _at_least("eval.ece_bins", self.ece_bins, 1)
         if self.iou_type not in ("bbox", "segm"):
             raise ConfigError("eval.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
+        if self.compile and self.compile_backend not in _compile_backends():
+            raise ConfigError("eval.compile_backend", f"{self.compile_backend!r} is not a torch.compile backend; "
+                              f"known: {_compile_backends()}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError("eval.compile_mode", f"{self.compile_mode!r} is not one of {list(COMPILE_MODES)}")
 
 
 @dataclass

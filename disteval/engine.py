@@ -34,6 +34,7 @@ from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusH
 from disteval.metrics import check_coverage, raise_if_incomplete
 from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.robust import rank_outliers, summarize_trials
+from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.peers import PeerFailedError, PeerWatch
 from disteval.records import atomic_write_json, build_results, config_digest, rank_dir, read_status, write_results
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -57,6 +58,11 @@ class RankRun:
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
         self.model = self.task.model(ctx.device)
+        if self.model is not None:
+            self.model = prepare_model(self.model, channels_last=bool(cfg.model.get("channels_last", False)),
+                                       compile=bool(cfg.eval.get("compile", False)),
+                                       compile_mode=str(cfg.eval.get("compile_mode", "default")),
+                                       compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
         self.faults = FaultPlan(ctx.rank)
         self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
         if self.faults and self.model is not None:
@@ -94,6 +100,9 @@ class RankRun:
         return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
                          collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
+                         device=self.ctx.device, prefetch_factor=int(cfg.data.get("prefetch_factor", 4)),
+                         persistent_workers=bool(cfg.data.get("persistent_workers", True)) and int(cfg.eval.trials) > 1,
+                         warmup=bool(cfg.eval.get("compile", False)),
                          skipped=list(self.skipped_before) if skip else [])
 
     def _resume(self, ev: Evaluator) -> int:
@@ -124,8 +133,11 @@ class RankRun:
 
     def _step(self):
         ctx = self.ctx
+        channels_last = bool(ctx.cfg.model.get("channels_last", False))
 
         def step(model, inputs):
+            if channels_last:
+                inputs = as_channels_last(inputs)
             with prec.autocast(ctx.cfg.precision, ctx.device):
                 return self.task.step(model, inputs, ctx.device)
         return step
@@ -162,6 +174,7 @@ class RankRun:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
+                "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
                 **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:

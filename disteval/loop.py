@@ -9,7 +9,7 @@ import multiprocessing
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
@@ -30,7 +30,11 @@ class ShardSpec:
     (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
     worker processes. collate_fn: the task's, or None for torch's default. pin_memory: page-locked host
     batches (CUDA devices). skipped: streamed data, the positions ``data.on_decode_error=skip`` skipped before
-    a resume (from the checkpoint), carried into ``LoopProgress.skipped``.
+    a resume (from the checkpoint), carried into ``LoopProgress.skipped``. device: the model's device; on CUDA
+    the next batch's inputs (and tensor targets) are copied there on a side stream while the current batch
+    computes (``DeviceFeed``). prefetch_factor, persistent_workers: the DataLoader's (with workers; persistent
+    loaders are kept for the next trial, ``eval.trials``). warmup: time the first batch apart
+    (``LoopProgress.seconds_warmup``: compilation with ``eval.compile``).
     """
 
     rank: int
@@ -43,6 +47,10 @@ class ShardSpec:
     collate_fn: Callable | None = None
     pin_memory: bool = False
     skipped: list = field(default_factory=list)  # streamed data: positions skipped before a resume
+    device: torch.device = torch.device("cpu")
+    prefetch_factor: int = 4
+    persistent_workers: bool = False
+    warmup: bool = False
 
 
 @dataclass
@@ -59,6 +67,8 @@ class LoopProgress:
     batches: int = 0
     seconds_forward: float = 0.0
     skipped: list = field(default_factory=list)  # positions skipped by data.on_decode_error=skip (streamed data)
+    seconds_warmup: float = 0.0  # the first batch's seconds when timed apart (ShardSpec.warmup), else 0
+    samples_warmup: int = 0
 
 
 class LoopHook:
@@ -95,11 +105,24 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
         loader = DataLoader(_Batches(dataset), batch_size=None, pin_memory=spec.pin_memory,
                             sampler=BatchSampler(sampler, spec.batch_size, drop_last=False))
         return loader, sampler
+    key = (id(dataset), spec.rank, spec.world_size, spec.batch_size, spec.aligned, spec.sampler, spec.num_workers)
+    kept = _PERSISTENT.get(key)
+    if kept is not None and kept[0] is dataset and spec.skip == 0:
+        return kept[1], kept[2]
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
+    workers = spec.num_workers > 0
+    persistent = workers and spec.persistent_workers and spec.skip == 0
     loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
-                        pin_memory=spec.pin_memory, persistent_workers=False,
+                        pin_memory=spec.pin_memory, persistent_workers=persistent,
+                        prefetch_factor=spec.prefetch_factor if workers else None,
                         multiprocessing_context=context, collate_fn=spec.collate_fn)
+    if persistent:
+        _PERSISTENT[key] = (dataset, loader, sampler)
     return loader, sampler
+
+
+# loaders with persistent workers, kept for the next trial of the same shard (a process evaluates one job)
+_PERSISTENT: dict[tuple, tuple[Dataset, DataLoader, Any]] = {}
 
 
 class _Batches(Dataset):
@@ -116,12 +139,13 @@ class _Batches(Dataset):
         return self.dataset.fetch_batch(indices)
 
 
-def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, step: Callable[[Any, Any], Any],
+def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, step: Callable[[Any, Any], Any],
                          progress: LoopProgress, hooks: Sequence[LoopHook] = ()) -> LoopProgress:
     """Run ``outputs = step(model, inputs)`` over ``loader`` and accumulate each batch into ``evaluator``
     under ``torch.inference_mode``; batch k of the loader is global batch ``progress.first_batch + k``.
-    Returns ``progress`` updated. Raises what the step or ``evaluator.process`` raises (a DataError from a
-    loader worker with its original one-line message)."""
+    Nothing here reads a device value: progress counts come from the host-side sample ids. Returns
+    ``progress`` updated. Raises what the step or ``evaluator.process`` raises (a DataError from a loader
+    worker with its original one-line message; a deferred DataError of the metric at the end)."""
     for hook in hooks:
         hook.before_loop(progress)
     t0 = time.perf_counter()
@@ -140,11 +164,15 @@ def inference_on_dataset(model: Any, loader: DataLoader, evaluator: Evaluator, s
                     evaluator.process(index, outputs, targets, ids)
                     progress.samples += int(ids.numel())
                     progress.batches += 1
+                if k == 0 and progress.seconds_warmup < 0:  # timed apart (ShardSpec.warmup)
+                    progress.seconds_warmup = time.perf_counter() - t0
+                    progress.samples_warmup = int(ids.numel())
                 for hook in hooks:
                     hook.after_batch(progress)
     except DistevalError as exc:
         raise _unwrap_worker_error(exc) from exc
     progress.seconds_forward = time.perf_counter() - t0
+    progress.seconds_warmup = max(progress.seconds_warmup, 0.0)
     evaluator.finish_local()
     for hook in hooks:
         hook.after_loop(progress)
@@ -179,7 +207,8 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
     stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, spec.skip)
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
-                        multiprocessing_context=context)
+                        multiprocessing_context=context,
+                        prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None)
     first = (start + spec.skip) // spec.batch_size if spec.aligned else start
     return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip,
                                 skipped=list(spec.skipped))
@@ -200,7 +229,79 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
             first = spec.rank * max(len(loader), 1)
         progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
     step = step or (lambda m, x: m(x).float())
-    return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
+    if spec.warmup:
+        progress.seconds_warmup = -1.0  # marks: time the first batch apart
+    return inference_on_dataset(model, DeviceFeed(loader, spec.device), evaluator, step, progress, hooks)
+
+
+class DeviceFeed:
+    """The loader's batches with their inputs (and tensor targets) already on ``device``: on CUDA the next
+    batch is copied on a side stream (``non_blocking`` from the pinned host batch) while the current one
+    computes, and the compute stream waits for that copy only (no host synchronisation); elsewhere the
+    batches pass through unchanged (the task's step moves them). Sample ids stay on the host: coverage and
+    progress count them there. Batches are ``(inputs, targets, ids)`` tuples or ``StreamBatch``es."""
+
+    def __init__(self, loader: Iterable, device: torch.device):
+        self.loader, self.device = loader, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        if self.device.type != "cuda":
+            yield from self.loader
+            return
+        side = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        ahead = None
+        for batch in self.loader:
+            side.wait_stream(compute)  # buffers the compute stream freed may be reused by the copy
+            with torch.cuda.stream(side):
+                moved = _batch_to(batch, self.device)
+            if ahead is not None:
+                yield ahead
+            compute.wait_stream(side)
+            _record(moved, compute)
+            ahead = moved
+        if ahead is not None:
+            yield ahead
+
+
+def _batch_to(batch: Any, device: torch.device) -> Any:
+    """Inputs and tensor targets of a loader batch copied to ``device`` (non-blocking); sample ids kept."""
+    if isinstance(batch, StreamBatch):
+        targets = batch.targets.to(device, non_blocking=True) if isinstance(batch.targets, torch.Tensor) else batch.targets
+        return batch._replace(inputs=_tree_to(batch.inputs, device), targets=targets)
+    inputs, targets, ids = batch
+    if isinstance(targets, torch.Tensor):
+        targets = targets.to(device, non_blocking=True)
+    return _tree_to(inputs, device), targets, ids
+
+
+def _tree_to(obj: Any, device: torch.device) -> Any:
+    """Tensors in nested lists/tuples/dicts copied to ``device`` (non-blocking)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(_tree_to(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tree_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _tree_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _record(obj: Any, stream: Any) -> None:
+    """Tell the caching allocator that ``stream`` uses the tensors of ``obj`` (made on another stream)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _record(o, stream)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _record(o, stream)
 
 
 def _unwrap_worker_error(exc: DistevalError) -> DistevalError:

@@ -12,12 +12,14 @@ results.json fields (schema_version 2, see DESIGN.md): schema_version, experimen
 (bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, task {name, class},
 model {name, weights, checkpoint, class}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
 host, shard [start, end), samples, batches, metrics {the task's local summary, e.g. accuracy, nll}, seconds
-{load, forward}, images_per_s}], timings {load, forward, sync, total, evaluation_s,
+{load, forward, warmup}, images_per_s (after the warm-up)}], timings {load, forward, sync, total, evaluation_s,
 process_wall_s} (seconds, rank 0's clock; forward = slowest rank; evaluation_s = total = rank 0's bootstrap,
 load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up included, to
-results.json written, null when unknown), throughput {images_per_s} (forward only), comm {collectives, bytes, by_op, chunked, compression, backend,
+results.json written, null when unknown), throughput {images_per_s (forward only; with eval.compile
+the first batch of each rank, which compiles, is left out), warmup_s (that first batch, slowest rank; null
+without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
-deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
+deterministic, cudnn_benchmark, tf32, model_dtype, channels_last, compile, compile_mode, inference_mode}, device, versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
 per_rank when the ranks differ} (``disteval.common.allocator.summarize``). Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
 
@@ -460,11 +462,13 @@ def per_rank_record(row: dict, host: str | None) -> dict:
     """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
     samples, batches, seconds_load, seconds_forward, local {metric: value})."""
     fwd = row["seconds_forward"]
+    warm, warm_samples = float(row.get("seconds_warmup") or 0.0), int(row.get("samples_warmup") or 0)
+    steady = fwd - warm if fwd else 0.0
     return {"rank": int(row["rank"]), "host": host, "shard": [int(row["start"]), int(row["end"])],
             "samples": int(row["samples"]), "batches": int(row["batches"]),
             "metrics": dict(row.get("local") or {}),
-            "seconds": {"load": row["seconds_load"], "forward": fwd},
-            "images_per_s": row["samples"] / fwd if fwd and fwd > 0 else None}
+            "seconds": {"load": row["seconds_load"], "forward": fwd, "warmup": warm},
+            "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None}
 
 
 def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: dict | None = None) -> dict:
@@ -479,6 +483,10 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
                 for row in rows]
     slowest = max((p["seconds"]["forward"] or 0.0 for p in per_rank), default=0.0)
     num_samples = run["num_samples"]
+    # eval.compile: the first batch of each rank (compilation) is timed apart and left out of the images/s
+    warmup = max((p["seconds"]["warmup"] for p in per_rank), default=0.0)
+    steady = max(((p["seconds"]["forward"] or 0.0) - p["seconds"]["warmup"] for p in per_rank), default=0.0)
+    steady_samples = num_samples - sum(int(r.get("samples_warmup") or 0) for r in rows)
     experiment = cfg.get("experiment_name") if hasattr(cfg, "get") else None
     return json_safe({
         "schema_version": SCHEMA_VERSION,
@@ -495,7 +503,8 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         "coverage": run["coverage"].as_dict(),
         "per_rank": per_rank,
         "timings": dict(run["timings"], forward=slowest),
-        "throughput": {"images_per_s": num_samples / slowest if slowest > 0 else None},
+        "throughput": {"images_per_s": steady_samples / steady if steady > 0 else None,
+                       "warmup_s": warmup if warmup > 0 else None},
         "comm": dict(run["comm"], backend=run["backend"], profile=_plain(cfg.get("communication_profile"))),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
                       "deterministic": bool(run["compute"]["deterministic"]),

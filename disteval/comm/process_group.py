@@ -56,16 +56,20 @@ def init_process_group(backend: str, timeout_s: float, env: RankEnv | None) -> R
     """Initialise the default process group with ``timeout_s`` seconds as the timeout of every collective.
 
     ``env=None`` means a single process without a launcher: a world of size 1 over an in-memory store.
-    Returns the RankEnv in force.
+    With nccl the process is bound to ``cuda:LOCAL_RANK`` (modulo the visible devices) first and that device
+    is passed as ``device_id``. Returns the RankEnv in force.
     """
     timeout = timedelta(seconds=float(timeout_s))
     if env is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return RankEnv(0, 1, 0)
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
+    options = {}
+    if backend == "nccl":  # bind the rank to its device before the group exists, and tell NCCL which it is
+        device = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        options["device_id"] = device  # eager NCCL communicator on this device (no guessing from the rank)
     dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                            timeout=timeout)
+                            timeout=timeout, **options)
     return env
 
 
