@@ -1,7 +1,14 @@
-"""Throughput of disteval's evaluation loop against a bare forward loop and a torchmetrics loop.
+"""Throughput of disteval's evaluation loop against a bare forward loop, a torchmetrics loop and a loop that
+gathers predictions per batch (accelerate's gather_for_metrics).
 
     python benchmarks/throughput.py [--world-sizes 1 2] [--rounds 3] [--repeats 3] [--batch-size 256]
                                     [--threads 1] [--limit N] [--allocator auto] [--smoke]
+                                    [--device cpu|cuda] [--model NAME --data-root DIR] [--dtype fp32|bf16|fp16]
+
+On a GPU (``--device cuda``, see scripts/gpu_check.sh): ``--model resnet50`` or ``vit_b_16`` (torchvision,
+random weights: no download) on ``--data-root`` (an ImageFolder tree, e.g. symlinks to the shipped ImageNet
+sample images, as scripts/gpu_check.sh makes), in ``--dtype bf16``; every method runs on the same device under the same autocast, its batches already on the device for bare,
+torchmetrics and gather (disteval loads them through its own loader and device feed, as a user's run does).
 
 Same job for all three methods: the shipped Fashion-MNIST CNN (``+experiment=fashion_mnist``: ``model=fashion_cnn``,
 the 10,000-image test split of Debian's dataset-fashion-mnist), the same batch size, the same intra-op threads
@@ -21,8 +28,12 @@ of methods run in separate processes would attribute to the methods.
   the dataset, the classification task's step and metric in the Evaluator, the status/progress/guard/fault
   hooks, the watchdog thread, and the final synchronisation, coverage check and compute on rank 0), with
   ``eval.progress=false``;
-- ``torchmetrics``: the same in-memory batches, ``MulticlassAccuracy`` top-1 and top-5 (micro) updated per
-  batch, ``compute()`` at the end (its own dist sync at W > 1).
+- ``torchmetrics``: the same in-memory batches, ``MulticlassAccuracy`` top-1 and top-5 (micro) and
+  ``MulticlassCalibrationError`` (15 bins, l1) updated per batch, ``compute()`` at the end (its own dist sync
+  at W > 1);
+- ``gather``: the same in-memory batches; per batch the predictions (arg-max) and labels of every rank are
+  all_gathered (accelerate's ``gather_for_metrics``: a collective per batch, ranks in lockstep; a rank whose
+  shard has one batch fewer gathers an empty, padded batch) and counted on the gathered tensors.
 
 Per child: one warm-up pass of each method (not timed), then ``--repeats`` rounds of one timed pass of each
 method in turn, each pass started after a barrier at W > 1; a pass's time is the slowest rank's. images/s = N /
@@ -35,6 +46,10 @@ same N samples and the same top-1 correct (disteval and torchmetrics also the sa
 integers compared with ==.
 
 ``--smoke``: W = 1 and 2, 1,024 images, batch 128, 1 round of 1 pass (seconds).
+
+The disteval loop on a GPU issues no host synchronisation per batch (tests/test_gpu.py checks it under
+``torch.cuda.set_sync_debug_mode("error")``); ``gather`` synchronises per batch by design, and torchmetrics'
+updates do where they validate their inputs.
 """
 from __future__ import annotations
 
@@ -53,7 +68,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-METHODS = ("bare", "disteval", "torchmetrics")
+METHODS = ("bare", "disteval", "torchmetrics", "gather")
 FULL_N = 10_000
 SMOKE = {"world_sizes": [1, 2], "rounds": 1, "repeats": 1, "batch_size": 128, "limit": 1024}
 
@@ -85,8 +100,8 @@ def _describe(rec: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------- children
 
-def _job(overrides: list[str]) -> dict:
-    """The composed job (``+experiment=fashion_mnist`` and ``overrides``) as a plain dict."""
+def _job(overrides: list[str], experiment: str = "fashion_mnist") -> dict:
+    """The composed job (``+experiment=EXPERIMENT`` and ``overrides``) as a plain dict."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -94,47 +109,83 @@ def _job(overrides: list[str]) -> dict:
 
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=fashion_mnist", *overrides])
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
-def _in_memory_batches(dataset, start: int, end: int, batch: int) -> list:
-    """This shard's items ``[start, end)`` stacked once into two tensors, cut into batch views."""
+def _in_memory_batches(dataset, start: int, end: int, batch: int, device) -> list:
+    """This shard's items ``[start, end)`` stacked once into two tensors on ``device``, cut into batch views."""
     import torch
 
     xs = torch.stack([dataset[i][0] for i in range(start, end)]) if end > start else torch.zeros(0)
     ys = torch.tensor([int(dataset[i][1]) for i in range(start, end)], dtype=torch.int64)
+    xs, ys = xs.to(device), ys.to(device)
     return [(xs[i:i + batch], ys[i:i + batch]) for i in range(0, end - start, batch)]
 
 
-def _bare(model, batches, world_size: int) -> dict:
+def _bare(model, batches, world_size: int, autocast) -> dict:
     import torch
     import torch.distributed as dist
 
-    acc = torch.zeros(2, dtype=torch.int64)  # count, top-1 correct
+    acc = torch.zeros(2, dtype=torch.int64, device=batches[0][0].device if batches else "cpu")  # count, top-1
     with torch.inference_mode():
         for x, y in batches:
+            with autocast():
+                logits = model(x)
             acc[0] += y.numel()
-            acc[1] += (model(x).argmax(1) == y).sum()
+            acc[1] += (logits.argmax(1) == y).sum()
         if world_size > 1:
             dist.all_reduce(acc)
     return {"count": int(acc[0]), "top1": int(acc[1]), "top5": None}
 
 
-def _torchmetrics(model, batches, num_classes: int) -> dict:
+def _gather(model, batches, world_size: int, autocast, most: int) -> dict:
+    """accelerate's gather_for_metrics pattern: an all_gather of predictions and labels after every batch
+    (``most``: the largest batch count of any rank; ranks with fewer gather empty padded batches)."""
     import torch
-    from torchmetrics.classification import MulticlassAccuracy
+    import torch.distributed as dist
 
-    top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-    top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    dev = batches[0][0].device if batches else torch.device("cpu")
+    count = correct = 0
+    b = max((y.numel() for _, y in batches), default=1)
+    with torch.inference_mode():
+        for k in range(most):
+            pred = torch.full((b,), -1, dtype=torch.int64, device=dev)
+            label = torch.full((b,), -1, dtype=torch.int64, device=dev)
+            if k < len(batches):
+                x, y = batches[k]
+                with autocast():
+                    logits = model(x)
+                pred[:y.numel()], label[:y.numel()] = logits.argmax(1), y
+            if world_size > 1:
+                preds, labels = torch.empty(world_size * b, dtype=torch.int64, device=dev), torch.empty_like(pred.repeat(world_size))
+                dist.all_gather_into_tensor(preds, pred)
+                dist.all_gather_into_tensor(labels, label)
+                pred, label = preds, labels
+            keep = label >= 0  # gather_for_metrics drops the padding
+            count += int(keep.sum())  # a host sync per batch, as accelerate's users' loops do
+            correct += int((pred[keep] == label[keep]).sum())
+    return {"count": count, "top1": correct, "top5": None}
+
+
+def _torchmetrics(model, batches, num_classes: int, autocast) -> dict:
+    import torch
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
+
+    dev = batches[0][0].device if batches else torch.device("cpu")
+    top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro").to(dev)
+    top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro").to(dev)
+    ece = MulticlassCalibrationError(num_classes, n_bins=15, norm="l1").to(dev)
     count = 0
     with torch.inference_mode():
         for x, y in batches:
-            logits = model(x)
+            with autocast():
+                logits = model(x)
             top1.update(logits, y)
             top5.update(logits, y)
+            ece.update(logits.float().softmax(1), y)
             count += y.numel()
-        top1.compute(), top5.compute()  # the timed end: each syncs its states across ranks
+        top1.compute(), top5.compute(), ece.compute()  # the timed end: each syncs its states across ranks
     out = {}
     for name, m in (("top1", top1), ("top5", top5)):
         with m.sync_context(should_sync=True):  # exact counts of the synced states (not timed)
@@ -191,7 +242,8 @@ def child(args) -> None:
         passes["disteval"] = one_disteval
         finish.append(lambda: (watchdog.stop(), destroy_process_group()))
     elif w > 1:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=w)
+        dist.init_process_group("nccl" if str(cfg.dist.device) == "cuda" else "gloo", init_method="env://",
+                                rank=rank, world_size=w)
         finish.append(dist.destroy_process_group)
     record["threads"] = torch.get_num_threads()
     others = [m for m in methods if m != "disteval"]
@@ -199,14 +251,23 @@ def child(args) -> None:
         from disteval.common.ranges import batch_aligned_bounds
         from disteval.tasks import resolve_task
 
+        from disteval import precision as prec
+        from disteval.comm import resolve_device
+
+        device = resolve_device(str(cfg.dist.device), int(os.environ.get("LOCAL_RANK", 0)))
         task = resolve_task(cfg)(cfg)
         dataset = task.dataset()
-        model = task.model(torch.device("cpu"))
+        model = task.model(device)
         b = int(cfg.data.batch_size)
         start, end = batch_aligned_bounds(len(dataset), b, w, rank)
-        data = _in_memory_batches(dataset, start, end, b)
-        passes["bare"] = lambda: _bare(model, data, w)
-        passes["torchmetrics"] = lambda: _torchmetrics(model, data, task.num_classes)
+        data = _in_memory_batches(dataset, start, end, b, device)
+        most = max(-(-(e - s) // b) for s, e in (batch_aligned_bounds(len(dataset), b, w, r) for r in range(w)))
+
+        def autocast():
+            return prec.autocast(cfg.precision, device)
+        passes["bare"] = lambda: _bare(model, data, w, autocast)
+        passes["torchmetrics"] = lambda: _torchmetrics(model, data, task.num_classes, autocast)
+        passes["gather"] = lambda: _gather(model, data, w, autocast, most)
     span = (run.shard[1] - run.shard[0]) if "disteval" in methods else (end - start)
     batches = -(-span // int(cfg.data.batch_size))
 
@@ -302,10 +363,11 @@ def headline(summary: dict) -> list[dict]:
 
     cfg, out = summary["config"], []
     for w, t in summary["throughput"].items():
-        for other, target in (("bare", "0.97x"), ("torchmetrics", "1x")):
+        for other, target in (("bare", "0.97x"), ("torchmetrics", "1x"), ("gather", "1x")):
             if "disteval" in t and other in t:
                 a, base = t["disteval"]["images_per_s"], t[other]["images_per_s"]
-                out.append(row(f"loop at W={w}: images/s, disteval vs {other} loop (fashion-mnist, batch "
+                out.append(row(f"loop at W={w}: images/s, disteval vs {other} loop ({cfg.get('model') or 'fashion-mnist'}"
+                               f", {cfg.get('device', 'cpu')} {cfg.get('dtype', 'fp32')}, batch "
                                f"{cfg['batch_size']}, malloc {cfg['allocator']['name']}; target >= {target})",
                                f"{a:,.0f}", f"{base:,.0f}", a / base))
     return out
@@ -322,14 +384,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--allocator", default="auto", help="policy for disteval.common.allocator.resolve")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per child")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast of every method")
+    ap.add_argument("--model", default=None, help="a torchvision classifier (random weights), e.g. resnet50, "
+                    "vit_b_16, on --data-root instead of the fashion-mnist CNN")
+    ap.add_argument("--data-root", default=None, help="ImageFolder tree for --model")
     ap.add_argument("--smoke", action="store_true", help="W=1 2, 1,024 images in batches of 128, 1 pass (seconds)")
     for hidden in ("--child", "--job", "--out", "--workdir"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE)
-    args.limit = min(args.limit, FULL_N) if args.limit else FULL_N
+    if args.model and not args.data_root:
+        ap.error("--model needs --data-root (an ImageFolder tree)")
+    full = FULL_N if not args.model else _count_images(args.data_root)
+    args.limit = min(args.limit, full) if args.limit else full
     return args
+
+
+def _count_images(root: str) -> int:
+    """Files in the class folders of an ImageFolder tree (what the benchmark evaluates at most)."""
+    return sum(1 for d in Path(root).iterdir() if d.is_dir() for f in d.iterdir() if f.is_file())
 
 
 def main() -> int:
@@ -345,8 +420,13 @@ def main() -> int:
     alloc = resolve_allocator(args.allocator)
     n, b = args.limit, args.batch_size
     overrides = [f"data.batch_size={b}", f"dist.threads={args.threads}", "eval.progress=false", "eval.mode=bitwise",
-                 *([f"data.limit={n}"] if n < FULL_N else [])]
-    console.print(f"fashion-mnist, {n:,} images, batch {b}, {args.threads} thread(s) per rank, world sizes "
+                 f"dist.device={args.device}", f"precision={args.dtype}", *([f"data.limit={n}"] if n < FULL_N else [])]
+    experiment = "fashion_mnist"
+    if args.model:  # a torchvision classifier on an ImageFolder tree (the GPU benchmark)
+        experiment = "imagenet_vit"
+        overrides += [f"model.name={args.model}", "model.weights=null", f"data.root={args.data_root}",
+                      "data.num_workers=4"]
+    console.print(f"{args.model or 'fashion-mnist CNN'} on {args.device} ({args.dtype}), {n:,} images, batch {b}, {args.threads} thread(s) per rank, world sizes "
                   f"{args.world_sizes}, {args.rounds} round(s) x {args.repeats} pass(es) + 1 warm-up each per child, "
                   f"{os.cpu_count()} cores; allocator: requested {alloc['requested']!r} -> {alloc['name']} "
                   f"(env {alloc['env'] or '{}'})", highlight=False)
@@ -358,7 +438,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="throughput_bench_") as tmp:
         workdir = Path(tmp)
         job_path = workdir / "job.json"
-        job_path.write_text(json.dumps(_job(overrides)))
+        job_path.write_text(json.dumps(_job(overrides, experiment)))
         try:
             for rnd in range(args.rounds):
                 for w in args.world_sizes:
@@ -386,6 +466,7 @@ def main() -> int:
     for col in ("W", "method", "images/s", "min - max", "x/bare", "minor faults/batch", "allocator in force"):
         table.add_column(col, justify="left" if col in ("method", "allocator in force") else "right", no_wrap=True)
     summary: dict = {"config": {"images": n, "batch_size": b, "threads": args.threads, "rounds": args.rounds,
+                                "device": args.device, "dtype": args.dtype, "model": args.model,
                                 "repeats": args.repeats, "cores": os.cpu_count(), "allocator": alloc},
                      "throughput": {}}
     for w in args.world_sizes:
@@ -420,7 +501,8 @@ def main() -> int:
         return 1
     from _summary import write
 
-    write("throughput", headline(summary), args.smoke or n != FULL_N or set(args.methods) != set(METHODS))
+    write("throughput_gpu" if args.device == "cuda" else "throughput", headline(summary),
+          args.smoke or (n != FULL_N and not args.model) or set(args.methods) != set(METHODS))
     console.print(f"checks passed: every method counted {ref['count']:,} samples, {ref['top1']:,} top-1 correct"
                   + (f" and {ref['top5']:,} top-5 correct" if ref.get("top5") is not None else "")
                   + f" in every pass at W = {args.world_sizes}", highlight=False)
