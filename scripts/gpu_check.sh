@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 19 in one run (about 5-8 minutes on one GPU): the tests marked gpu, then the
+# throughput benchmark on the GPU (resnet50 and vit_b_16, random weights, bf16, batch 256, the shipped
+# ImageNet sample images from disk as an ImageFolder view; disteval's loop against a bare loop, a torchmetrics
+# loop and a gather-per-batch loop), printed as one table at the end. Installs nothing beyond README's set-up.
+#
+#   bash scripts/gpu_check.sh [SHARED_DATA_DIR]     (default: ../shared/data beside this checkout)
+#
+# Writes its logs and JSON lines to ${OUT:-gpu_check_out}/. Exit 1 if a test or a benchmark check failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DATA="${1:-../shared/data}"
+OUT="${OUT:-gpu_check_out}"
+mkdir -p "$OUT"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')" || exit 2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+status=0
+
+echo "== tests marked gpu"
+timeout 240 python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== throughput on the GPU"
+VAL="$(mktemp -d)/val"   # ImageFolder view of the flat sample folder: symlinks, nothing copied
+for f in "$DATA"/imagenet-sample-224/*.jpg; do
+  d="$VAL/$(basename "$f" | cut -d_ -f1)"; mkdir -p "$d"; ln -s "$(readlink -f "$f")" "$d/"
+done
+for model in resnet50 vit_b_16; do
+  timeout 200 python benchmarks/throughput.py --device cuda --dtype bf16 --model "$model" --data-root "$VAL" \
+      --batch-size 256 --world-sizes 1 --rounds 1 --repeats 5 --threads 4 > "$OUT/throughput_$model.txt" 2>&1
+  [ $? -eq 0 ] || status=1
+  tail -4 "$OUT/throughput_$model.txt"
+done
+
+python - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+from rich.console import Console
+from rich.table import Table
+out = Path(sys.argv[1])
+table = Table(title="disteval GPU check: " + (out / "gpu.txt").read_text().strip())
+for col in ("model", "W", "method", "images/s", "x bare"):
+    table.add_column(col, justify="left" if col in ("model", "method") else "right")
+for f in sorted(out.glob("throughput_*.txt")):
+    lines = [l for l in f.read_text().splitlines() if l.startswith("{")]
+    if not lines:
+        table.add_row(f.stem.split("_", 1)[1], "-", "failed (see log)", "-", "-")
+        continue
+    s = json.loads(lines[-1])
+    for w, methods in s["throughput"].items():
+        for m, r in methods.items():
+            table.add_row(s["config"]["model"], w, m, f"{r['images_per_s']:,.0f}", f"{r['x_bare']:.3f}x")
+tests = (out / "tests.txt").read_text().strip().splitlines()
+table.caption = "tests: " + (tests[-1] if tests else "no output")
+Console(width=120).print(table)
+PY
+exit $status
