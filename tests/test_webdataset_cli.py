@@ -72,6 +72,7 @@ def test_corrupt_sample_skipped_and_listed(cli, shards, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "indexing 3 shards" in proc.stderr + proc.stdout  # no data.index: the driver built one
     assert "1 of 1200 samples did not decode" in proc.stderr + proc.stdout
+    assert "1199 of 1200 samples, world size 2" in proc.stdout  # the metrics table's caption
     res = load_results(run_dir)
     assert res["decode_errors"] == {"policy": "skip", "skipped": 1, "evaluated": LIMIT - 1,
                                     "samples": f"{LIMIT - 1} of {LIMIT} samples",
