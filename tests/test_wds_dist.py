@@ -91,6 +91,10 @@ def shard_sets(tmp_path_factory):
     return root, sets, images, labels
 
 
+def _drill_workers(w: int) -> int:
+    return (w + 1) % 4
+
+
 @pytest.fixture(scope="module")
 def outcomes(shard_sets, tmp_path_factory):
     root, sets, _, _ = shard_sets
@@ -104,10 +108,8 @@ def outcomes(shard_sets, tmp_path_factory):
                                                on_decode_error="skip")
         cut = {f"cut_k{k}": {"index": str(root / "cut" / "index.json"), "urls": sets["cut"], "batch_size": B,
                              "num_workers": k} for k in WORKERS}
-        k = (w + 1) % 4  # the drill with 2, 3, 0, 1, 2 loader workers at W = 1..5
-        drills = {"drill": {"overrides": _stream_data(sets["corrupt"], root / "corrupt" / "index.json", k,
-                                                      on_decode_error="skip"), "batch": PREEMPT_AFTER}}
-        cases["uninterrupted"] = drills["drill"]["overrides"]
+        # the drill: case skip_k{K} (its uninterrupted run) with K = 2, 3, 0, 1, 2 loader workers at W = 1..5
+        drills = {"drill": {"overrides": cases[f"skip_k{_drill_workers(w)}"], "batch": PREEMPT_AFTER}}
         d = tmp_path_factory.mktemp(f"w{w}")
         launch(stream_cases_worker, (str(d), cases, cut, drills), w, str(d))
         out[w] = d
@@ -189,6 +191,6 @@ def test_preempted_mid_shard_then_resumed_equals_uninterrupted(outcomes):
             log = (d / "drill" / "ranks" / f"rank{r}" / "log.txt").read_text()
             assert "resuming from" in log and f"{PREEMPT_AFTER * B} of" in log
             assert not (d / "drill" / "ranks" / f"rank{r}" / "checkpoint.pt").exists()
-        got, want = _results(d, "drill"), _results(d, "uninterrupted")
+        got, want = _results(d, "drill"), _results(d, f"skip_k{_drill_workers(w)}")
         assert got["metrics"] == want["metrics"] and got["decode_errors"] == want["decode_errors"], w
         assert got["coverage"]["ok"] and got["exact"] is True

@@ -97,7 +97,8 @@ def preempt_then_resume(env: RankEnv, out_dir: str, name: str, overrides: dict, 
 def stream_cases_worker(out_dir: str, cases: dict[str, dict], cut: dict[str, dict], drills: dict[str, dict]) -> None:
     """Inside one process group: every engine case (config overrides; results.json in OUT/<name>/), every
     cut-shard read (``read_cut_shards`` keyword arguments) and every preemption drill
-    (``preempt_then_resume`` keyword arguments)."""
+    (``preempt_then_resume`` keyword arguments). Each rank writes the seconds of each case to
+    OUT/seconds_rank{r}.json (where the test's time goes)."""
     env = RankEnv.from_env()
     init_process_group("gloo", 300, env)
     seconds = {}
