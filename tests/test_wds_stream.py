@@ -535,3 +535,23 @@ def test_driver_checks_shards_before_ranks_start(shard_set, tmp_path, monkeypatc
     Path(urls[1]).write_bytes(raw[: len(raw) // 2])
     with pytest.raises(DataError, match=rf"{Path(urls[1]).name} is (unreadable or )?truncated"):
         check_data_root(data())
+
+
+def test_dp_rank_and_size_come_from_the_caller_not_the_environment(shard_set, monkeypatch):
+    """The streams take dp rank and size from the engine (here: rank 1 of 3, 2 workers), whatever RANK,
+    WORLD_SIZE, WORKER and NUM_WORKERS say (webdataset's own splitters read them: webdataset/utils.py
+    pytorch_worker_info), as the model-parallel issue needs (dp group != world)."""
+    from disteval.data.streaming import StreamSource
+
+    out, paths, _, _ = shard_set
+    source = StreamSource(load_index(str(out / "index.json"), paths), FMT)
+    start, end = source.bounds(3, 1, B)
+    for env in ({}, {"RANK": "0", "WORLD_SIZE": "1", "WORKER": "0", "NUM_WORKERS": "1"},
+                {"RANK": "4", "WORLD_SIZE": "8", "WORKER": "1", "NUM_WORKERS": "2"}):
+        for name in ("RANK", "WORLD_SIZE", "WORKER", "NUM_WORKERS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        stream = source.stream(3, 1, 2, B, aligned=True)
+        ids = sorted(i for j in range(2) for b in stream.iter_worker(j) for i in b.sample_ids.tolist())
+        assert (start, end) == (28, 56) and ids == list(range(start, end)), env
