@@ -13,6 +13,7 @@ shard sizes 0..37 (empty shards first and in the middle):
   checkpoint mid-shard, the requeued job resumes from it and results.json equals the uninterrupted run."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -85,8 +86,7 @@ def shard_sets(tmp_path_factory):
     data = cut.read_bytes()
     cut.write_bytes(data[:shards[CUT_SHARD].offsets[CUT_SAMPLE] + 700])
     st = os.stat(cut)
-    shards[CUT_SHARD] = shards[CUT_SHARD].__class__(**{**shards[CUT_SHARD].__dict__, "size": st.st_size,
-                                                      "mtime_ns": st.st_mtime_ns})
+    shards[CUT_SHARD] = dataclasses.replace(shards[CUT_SHARD], size=st.st_size, mtime_ns=st.st_mtime_ns)
     write_index(shards, str(root / "cut" / "index.json"))
     return root, sets, images, labels
 
