@@ -15,6 +15,12 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
     DISTEVAL_FAULTS="error@1:batch=3"              rank 1 raises RuntimeError after its 3rd batch
     DISTEVAL_FAULTS="diskfull@0:batch=2"           after its 2nd batch every record write of rank 0 fails with
                                                    ENOSPC, as on a full disk (until the run's reserve is freed)
+    DISTEVAL_FAULTS="preempt@*:batch=3"            after its 3rd batch every rank receives the checkpoint signal
+                                                   (SUBMITIT_PREEMPT_SIGNAL, USR2 by default) as SLURM sends it
+                                                   before a preemption: inside a SLURM job the rank's
+                                                   PreemptionGuard saves its checkpoint and hands the signal on
+                                                   (submitit requeues the job); elsewhere the signal's default
+                                                   action ends the process
 
 Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
 ValueError naming the variable (``python -m disteval`` checks it before any rank starts). A ``batch`` index
@@ -32,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from disteval.common.drills import simulate_full_disk
+from disteval.resume import checkpoint_signal
 
 ENV = "DISTEVAL_FAULTS"
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"},
-         "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}}
-_BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull")
+         "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"}}
+_BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull", "preempt")
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,8 @@ class FaultPlan:
 
     def on_batch(self, batches_done: int) -> None:
         """After batch ``batch``: ``kill`` SIGKILLs this process, ``stop`` SIGSTOPs it, ``delay`` sleeps
-        ``seconds``, ``error`` raises RuntimeError."""
+        ``seconds``, ``error`` raises RuntimeError, ``preempt`` sends this process the checkpoint signal
+        (``disteval.resume.checkpoint_signal``; Python runs its handler right after, in this main thread)."""
         for f in self.faults:
             if f.kind not in _BATCH_KINDS or "sync" in f.params or int(f.params.get("batch", 1)) != batches_done:
                 continue
@@ -138,6 +146,8 @@ class FaultPlan:
                 time.sleep(f.params.get("seconds", 10.0))
             elif f.kind == "diskfull":
                 simulate_full_disk()
+            elif f.kind == "preempt":
+                os.kill(os.getpid(), checkpoint_signal())
             elif f.kind == "error":
                 raise RuntimeError(f"{ENV}: injected error after batch {batches_done} on rank {self.rank}")
 

@@ -51,6 +51,12 @@ class GlobalProgress:
             self._set(self.total)
 
 
+def _samples(results: dict) -> str:
+    """"M samples", or "N of M samples" when streamed samples were skipped (``decode_errors``)."""
+    skipped = results.get("decode_errors") or {}
+    return skipped["samples"] if skipped.get("skipped") else f"{results['dataset']['num_samples']} samples"
+
+
 def print_metrics(results: dict, section: tuple | None = None, console: Console | None = None) -> None:
     """Print the metrics table (rich), the task's extra tables and notes, the per-rank table, robustness
     notes and where results.json went. ``section``: the task's ``console_section(metrics)`` = (rows of
@@ -65,7 +71,7 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     cls = results["model"].get("class")
     table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']} on "
                         f"{results['dataset']['name']}",  # one short line; the details go in the caption
-                  caption=f"{cls + ', ' if cls else ''}{results['dataset']['num_samples']} samples, world size "
+                  caption=f"{cls + ', ' if cls else ''}{_samples(results)}, world size "
                           f"{results['world_size']}{', ' + mode + ' mode' if mode else ''}")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -55,6 +55,13 @@ def load_checkpoint(path: Path, key: dict) -> dict | None:
     return ckpt
 
 
+def checkpoint_signal() -> int:
+    """The signal SLURM sends before a preemption or timeout: submitit's ``SUBMITIT_PREEMPT_SIGNAL`` (a name
+    without ``SIG``, USR2 by default)."""
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return getattr(signal, f"SIG{name}", signal.SIGUSR2)
+
+
 class PreemptionGuard:
     """Saves a checkpoint when the checkpoint signal arrives, then hands the signal to the previous handler
     (submitit's, which requeues the job on rank 0). Active only inside a SLURM job (SLURM_JOB_ID set).
@@ -67,8 +74,7 @@ class PreemptionGuard:
 
     def __init__(self, save: Callable[[], None]):
         self.save = save
-        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-        self.signum = getattr(signal, f"SIG{name}", signal.SIGUSR2)
+        self.signum = checkpoint_signal()
         self.active = "SLURM_JOB_ID" in os.environ
         self._previous: Any = None
         self._pid = os.getpid()

@@ -21,6 +21,25 @@ def job(overrides: dict):
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
+def run_engine_case(env: RankEnv, out_dir: str, name: str, overrides: dict) -> RankRun:
+    """One whole-engine run of this rank inside the already joined process group: RankRun's trial and finish
+    (results.json in OUT/<name>/ on rank 0). Returns the RankRun; an exception is recorded in the rank's
+    status.json and propagates."""
+    cfg = job(overrides)
+    ctx = open_records(cfg, str(Path(out_dir) / name), env)
+    try:
+        ctx.device, ctx.backend, ctx.comm = __import__("torch").device("cpu"), "gloo", Communicator()
+        apply_compute_settings(ctx)
+        run = RankRun(ctx)
+        run.outcomes.append(run.trial())
+        run.finish(time.perf_counter())
+        ctx.status.update(phase="done", force=True)
+        return run
+    except BaseException as exc:
+        ctx.status.fail(exc)
+        raise
+
+
 @record
 def engine_cases_worker(out_dir: str, cases: dict[str, dict]) -> None:
     """For each named case (config overrides): run the engine's RankRun on this rank inside the one process
@@ -29,18 +48,7 @@ def engine_cases_worker(out_dir: str, cases: dict[str, dict]) -> None:
     init_process_group("gloo", 300, env)
     try:
         for name, overrides in cases.items():
-            cfg = job(overrides)
-            ctx = open_records(cfg, str(Path(out_dir) / name), env)
-            try:
-                ctx.device, ctx.backend, ctx.comm = __import__("torch").device("cpu"), "gloo", Communicator()
-                apply_compute_settings(ctx)
-                run = RankRun(ctx)
-                run.outcomes.append(run.trial())
-                run.finish(time.perf_counter())
-                ctx.status.update(phase="done", force=True)
-            except BaseException as exc:
-                ctx.status.fail(exc)
-                raise
+            run_engine_case(env, out_dir, name, overrides)
     finally:
         destroy_process_group()
 

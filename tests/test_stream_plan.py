@@ -22,6 +22,18 @@ def positions_read(counts, plans):
     return [starts[r.shard] + i for p in plans for r in p.ranges for i in range(r.first, r.stop)]
 
 
+def _delivery_order(plans, b: int) -> list[int]:
+    """The global batch indices one rank receives, in order, from its workers' batch-aligned plans: torch's
+    DataLoader asks workers 0, 1, .., K-1, 0, .. (skipping exhausted ones) and delivers in request order."""
+    queues = [[a // b for a, _ in p.spans] for p in plans]
+    delivered = []
+    while any(queues):
+        for q in queues:
+            if q:
+                delivered.append(q.pop(0))
+    return delivered
+
+
 @pytest.mark.parametrize("counts", COUNT_SETS)
 def test_every_position_exactly_once_in_order(counts):
     n = sum(counts)
@@ -80,14 +92,8 @@ def test_global_batches_do_not_depend_on_world_or_workers(counts):
                 for p in plans:
                     assert all(a % b == 0 and (e - a == b or e == n) for a, e in p.spans)
                     got |= {tuple(range(a, e)) for a, e in p.spans}
-                # torch's DataLoader asks workers 0, 1, .., K-1, 0, .. (skipping exhausted ones) and delivers in
-                # request order: the rank must see its batches in increasing global order
-                queues = [[a // b for a, _ in p.spans] for p in plans]
-                delivered = []
-                while any(queues):
-                    for q in queues:
-                        if q:
-                            delivered.append(q.pop(0))
+                # the rank must see its batches in increasing global order
+                delivered = _delivery_order(plans, b)
                 assert delivered == sorted(delivered), (w, k, b, delivered)
             assert got == expected, (w, k, b)
 
@@ -138,10 +144,5 @@ def test_resumed_plans_cover_the_rest_in_delivery_order(counts):
             for m in range(0, len(full) + 1, b):
                 plans = plan_rank(counts, w, r, k, b, done=m)
                 assert sorted(positions_read(counts, plans)) == full[m:]
-                queues = [[a // b for a, _ in p.spans] for p in plans]
-                delivered = []
-                while any(queues):
-                    for q in queues:
-                        if q:
-                            delivered.append(q.pop(0))
+                delivered = _delivery_order(plans, b)
                 assert delivered == sorted(delivered)

@@ -498,3 +498,60 @@ def test_resume_keeps_skipped_ids(corrupt_set, tmp_path):
     progress = evaluate_shard(model, source, resumed, spec)
     assert progress.skipped == [7] and progress.samples == sum(SIZES)
     assert resumed.metric.compute() == whole.metric.compute()
+
+
+def test_driver_checks_shards_before_ranks_start(shard_set, tmp_path, monkeypatch, capsys):
+    """The driver's data check (``check_data_root``, run before any rank starts): a stale ``data.index`` is a
+    DataError naming the shard and how to rebuild it; without ``data.index`` the cached index is built, reused
+    while it matches, rebuilt (and said so) when a shard changed; a truncated shard is a DataError naming it."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from disteval.data.datasets import check_data_root
+
+    _, paths, _, _ = shard_set
+    for p in paths[:3]:
+        shutil.copy(p, tmp_path / Path(p).name)
+    urls = [str(tmp_path / Path(p).name) for p in paths[:3]]
+    write_index(build_index(urls), str(tmp_path / "index.json"))
+    monkeypatch.setenv("DISTEVAL_CACHE_DIR", str(tmp_path / "cache"))
+
+    def data(**kw):
+        return OmegaConf.create({"name": "webdataset", "split": "test", "urls": urls, "index": None,
+                                 "allow_pipe": False, **kw})
+
+    check_data_root(data(index=str(tmp_path / "index.json")))  # valid: accepted
+    check_data_root(data())
+    assert "indexing 3 shards" in capsys.readouterr().err
+    check_data_root(data())
+    assert capsys.readouterr().err == ""  # the cached index is reused
+    os.utime(urls[1], ns=(1, 1))
+    with pytest.raises(DataError, match=rf"stale shard index .*{Path(urls[1]).name} has size .*rebuild it"):
+        check_data_root(data(index=str(tmp_path / "index.json")))
+    check_data_root(data())
+    assert "rebuilding the shard index: stale" in capsys.readouterr().err
+    raw = Path(urls[1]).read_bytes()
+    Path(urls[1]).write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(DataError, match=rf"{Path(urls[1]).name} is (unreadable or )?truncated"):
+        check_data_root(data())
+
+
+def test_dp_rank_and_size_come_from_the_caller_not_the_environment(shard_set, monkeypatch):
+    """The streams take dp rank and size from the engine (here: rank 1 of 3, 2 workers), whatever RANK,
+    WORLD_SIZE, WORKER and NUM_WORKERS say (webdataset's own splitters read them: webdataset/utils.py
+    pytorch_worker_info), as the model-parallel issue needs (dp group != world)."""
+    from disteval.data.streaming import StreamSource
+
+    out, paths, _, _ = shard_set
+    source = StreamSource(load_index(str(out / "index.json"), paths), FMT)
+    start, end = source.bounds(3, 1, B)
+    for env in ({}, {"RANK": "0", "WORLD_SIZE": "1", "WORKER": "0", "NUM_WORKERS": "1"},
+                {"RANK": "4", "WORLD_SIZE": "8", "WORKER": "1", "NUM_WORKERS": "2"}):
+        for name in ("RANK", "WORLD_SIZE", "WORKER", "NUM_WORKERS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        stream = source.stream(3, 1, 2, B, aligned=True)
+        ids = sorted(i for j in range(2) for b in stream.iter_worker(j) for i in b.sample_ids.tolist())
+        assert (start, end) == (28, 56) and ids == list(range(start, end)), env

@@ -1,9 +1,10 @@
-"""``python -m disteval data=webdataset`` end to end: the shipped Fashion-MNIST CNN on tar shards written by
-scripts/make_shards.py gives the same metrics (==, every float) as the map-style ``data=fashion_mnist`` run on
-the same images, at W=1 and W=5 with 3 loader workers (real gloo ranks; 10 global batches: every
-rank holds 2, so one worker of each rank idles); a corrupt sample with data.on_decode_error=skip is
-counted, listed by (shard, key) in results.json and the coverage still proves every id exactly once;
-without data.index the driver builds the index first."""
+"""``python -m disteval +experiment=fashion_mnist_shards`` (data=webdataset) end to end: the shipped Fashion-MNIST
+CNN on tar shards written by scripts/make_shards.py gives the same metrics (==, every float) as
+``+experiment=fashion_mnist`` (map-style) on the same images, at W=1 and W=5 with 3 loader workers (real gloo
+ranks; 10 global batches: every rank holds 2, so one worker of each rank idles); a corrupt sample with
+data.on_decode_error=skip is counted, listed by (shard, key) in results.json and the metrics table ("N of M
+samples"), and the coverage still proves every id exactly once; without data.index the driver builds the
+index first."""
 from __future__ import annotations
 
 import importlib.util
@@ -35,19 +36,19 @@ def shards(tmp_path_factory):
     return out
 
 
-def _stream_args(out: Path, *extra: str) -> list[str]:
-    return ["model=fashion_cnn", "data=webdataset", f"data.urls='{out}/fashion-mnist-test-{{000000..000002}}.tar'",
-            "data.image_mode=l8", "data.num_classes=10", "data.batch_size=128", *extra]
+def _stream_args(out: Path, index: str | None, *extra: str) -> list[str]:
+    """``+experiment=fashion_mnist_shards`` (the shipped CNN, data=webdataset, l8 images) on the shards in OUT."""
+    return ["+experiment=fashion_mnist_shards", f"data.urls='{out}/fashion-mnist-test-{{000000..000002}}.tar'",
+            f"data.index={index or 'null'}", "data.batch_size=128", *extra]
 
 
 def test_same_metrics_as_map_style(cli, shards):
-    proc, ref_dir = cli("model=fashion_cnn", "data=fashion_mnist", f"data.limit={LIMIT}", "data.batch_size=128",
+    proc, ref_dir = cli("+experiment=fashion_mnist", f"data.root={ROOT}", f"data.limit={LIMIT}", "data.batch_size=128",
                         "dist.world_size=1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     ref = load_results(ref_dir)
-    for extra in (["dist.world_size=1", f"data.index={shards}/index.json"],
-                  ["dist.world_size=5", "data.num_workers=3", f"data.index={shards}/index.json"]):
-        proc, run_dir = cli(*_stream_args(shards, *extra))
+    for extra in (["dist.world_size=1"], ["dist.world_size=5", "data.num_workers=3"]):
+        proc, run_dir = cli(*_stream_args(shards, f"{shards}/index.json", *extra))
         assert proc.returncode == 0, proc.stderr[-2000:]
         got = load_results(run_dir)
         assert got["metrics"] == ref["metrics"] and got["exact"] is True
@@ -67,16 +68,17 @@ def test_corrupt_sample_skipped_and_listed(cli, shards, tmp_path):
             if sample["__key__"] == "test-00000600":
                 sample["png"] = b"\x89PNG broken"
             sink.write({k: v for k, v in sample.items() if k in ("__key__", "png", "cls")})
-    proc, run_dir = cli(*_stream_args(out, "dist.world_size=2", "data.on_decode_error=skip"),
+    proc, run_dir = cli(*_stream_args(out, None, "dist.world_size=2", "data.on_decode_error=skip"),
                         env={"DISTEVAL_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "indexing 3 shards" in proc.stderr + proc.stdout  # no data.index: the driver built one
     assert "1 of 1200 samples did not decode" in proc.stderr + proc.stdout
+    assert "1199 of 1200 samples, world size 2" in proc.stdout  # the metrics table's caption
     res = load_results(run_dir)
     assert res["decode_errors"] == {"policy": "skip", "skipped": 1, "evaluated": LIMIT - 1,
                                     "samples": f"{LIMIT - 1} of {LIMIT} samples",
                                     "ids": [[f"{out}/fashion-mnist-test-000001.tar", "test-00000600"]]}
     assert res["exact"] is True and res["metrics"]["num_samples"] == LIMIT - 1
-    proc, _ = cli(*_stream_args(out, "dist.world_size=2"), env={"DISTEVAL_CACHE_DIR": str(tmp_path / "cache")})
+    proc, _ = cli(*_stream_args(out, None, "dist.world_size=2"), env={"DISTEVAL_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode != 0
     assert "key 'test-00000600': field 'png' does not decode" in proc.stderr + proc.stdout

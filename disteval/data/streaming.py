@@ -81,10 +81,11 @@ def _urls(data: Any) -> list[str]:
         raise ConfigError("data.urls", str(exc)) from exc
 
 
-def ensure_index(data: Any, out=sys.stderr) -> str:
+def ensure_index(data: Any, out=None) -> str:
     """Driver-side, before ranks start: ``data.index`` validated against the shards, or (unset) the cached
-    index, validated, else built with progress on ``out`` and written. Returns the index path. Raises
-    ConfigError / DataError."""
+    index, validated, else built with progress on ``out`` (None: the current ``sys.stderr``) and written.
+    Returns the index path. Raises ConfigError / DataError."""
+    out = out or sys.stderr
     urls = _urls(data)
     if data.index is not None:
         load_index(str(data.index), urls)
