@@ -150,6 +150,7 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
         hook.before_loop(progress)
     t0 = time.perf_counter()
     batches = iter(loader)
+    ok = False
     try:
         with torch.inference_mode():
             for k, batch in enumerate(batches):
@@ -170,10 +171,11 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
                     progress.samples_warmup = int(ids.numel())
                 for hook in hooks:
                     hook.after_batch(progress)
+        ok = True
     except DistevalError as exc:
         raise _unwrap_worker_error(exc) from exc
     finally:
-        _stop_workers(batches)
+        _stop_workers(loader.batches if isinstance(loader, DeviceFeed) else batches, keep_persistent=ok)
     progress.seconds_forward = time.perf_counter() - t0
     progress.seconds_warmup = max(progress.seconds_warmup, 0.0)
     evaluator.finish_local()
@@ -182,15 +184,23 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
     return progress
 
 
-def _stop_workers(batches: Any) -> None:
+def _stop_workers(batches: Any, keep_persistent: bool) -> None:
     """Stop a multi-process DataLoader iterator's workers now, with torch's own clean-up (``_shutdown_workers``,
     what its ``__del__`` runs; a no-op once done). A loop left by an exception keeps the iterator in a reference
     cycle with the traceback; the garbage collector may then finalise its queues first, and torch waits 5 s
     (``MP_STATUS_CHECK_INTERVAL``) per worker that never receives its stop message (measured: 5.4 s per worker
-    after a truncated shard), or runs the clean-up in a later DataLoader's forked worker."""
+    after a truncated shard), or runs the clean-up in a later DataLoader's forked worker. A persistent
+    loader's workers (``data.persistent_workers``) are kept after a pass that ended normally (the next trial
+    reuses them); after a failed one they are stopped and the loader is forgotten."""
+    if keep_persistent and getattr(batches, "_persistent_workers", False):
+        return
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+        if getattr(batches, "_persistent_workers", False):
+            for key in [k for k, v in _PERSISTENT.items() if v[1]._iterator is batches]:
+                _PERSISTENT[key][1]._iterator = None
+                del _PERSISTENT[key]
 
 
 def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) -> tuple:
@@ -257,18 +267,20 @@ class DeviceFeed:
 
     def __init__(self, loader: Iterable, device: torch.device):
         self.loader, self.device = loader, torch.device(device)
+        self.batches: Iterator | None = None  # the loader's iterator of the pass in progress (its workers)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator:
+        self.batches = iter(self.loader)
         if self.device.type != "cuda":
-            yield from self.loader
+            yield from self.batches
             return
         side = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)
         ahead = None
-        for batch in self.loader:
+        for batch in self.batches:
             side.wait_stream(compute)  # buffers the compute stream freed may be reused by the copy
             with torch.cuda.stream(side):
                 moved = _batch_to(batch, self.device)
