@@ -30,7 +30,9 @@ class ShardSpec:
     (exact | padded | drop_last). skip: samples of the shard already counted (resume). num_workers: loader
     worker processes. collate_fn: the task's, or None for torch's default. pin_memory: page-locked host
     batches (CUDA devices). skipped: streamed data, the positions ``data.on_decode_error=skip`` skipped before
-    a resume (from the checkpoint), carried into ``LoopProgress.skipped``.
+    a resume (from the checkpoint), carried into ``LoopProgress.skipped``. dummy_steps: forwards to run after
+    the shard, outputs discarded (a model sharded across data-parallel ranks needs every rank in each forward;
+    ``disteval.data.sharding.lockstep_plan``); dummy_inputs: ``() -> inputs`` of one such forward.
     """
 
     rank: int
@@ -43,6 +45,8 @@ class ShardSpec:
     collate_fn: Callable | None = None
     pin_memory: bool = False
     skipped: list = field(default_factory=list)  # streamed data: positions skipped before a resume
+    dummy_steps: int = 0
+    dummy_inputs: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -59,6 +63,8 @@ class LoopProgress:
     batches: int = 0
     seconds_forward: float = 0.0
     skipped: list = field(default_factory=list)  # positions skipped by data.on_decode_error=skip (streamed data)
+    dummy_planned: int = 0  # forwards planned after the shard whose outputs are discarded (lockstep)
+    dummy_steps: int = 0  # of those, run so far
 
 
 class LoopHook:
@@ -79,8 +85,11 @@ class LoopHook:
     def after_batch(self, progress: LoopProgress) -> None:
         """After each batch was accumulated."""
 
+    def after_dummy(self, progress: LoopProgress) -> None:
+        """After each dummy step (a forward whose outputs are discarded, ``ShardSpec.dummy_steps``)."""
+
     def after_loop(self, progress: LoopProgress) -> None:
-        """Once, after the last batch."""
+        """Once, after the last batch and the dummy steps."""
 
 
 def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
@@ -199,8 +208,27 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
             first = spec.rank * max(len(loader), 1)
         progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
+    if spec.dummy_steps and spec.dummy_inputs is None:
+        raise ValueError(f"ShardSpec: {spec.dummy_steps} dummy steps planned but no dummy_inputs")
+    progress.dummy_planned = spec.dummy_steps
     step = step or (lambda m, x: m(x).float())
-    return inference_on_dataset(model, loader, evaluator, step, progress, hooks)
+    progress = inference_on_dataset(model, loader, evaluator, step, progress, hooks)
+    return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)
+
+
+def run_dummy_steps(model: Any, step: Callable[[Any, Any], Any], progress: LoopProgress, hooks: Sequence[LoopHook],
+                    dummy_inputs: Callable[[], Any] | None) -> LoopProgress:
+    """The ``progress.dummy_planned`` dummy steps after the shard: ``step(model, dummy_inputs())`` under
+    ``torch.inference_mode``, outputs discarded (never accumulated, never counted as samples or batches), each
+    counted in ``progress.dummy_steps``; a model sharded across data-parallel ranks (FSDP) issues its
+    collectives in them as in a real step, so ranks with fewer batches keep their peers' forwards matched."""
+    with torch.inference_mode():
+        for _ in range(progress.dummy_planned - progress.dummy_steps):
+            step(model, dummy_inputs())
+            progress.dummy_steps += 1
+            for hook in hooks:
+                hook.after_dummy(progress)
+    return progress
 
 
 def _unwrap_worker_error(exc: DistevalError) -> DistevalError:
@@ -225,6 +253,9 @@ class StatusHook(LoopHook):
 
     def after_batch(self, progress: LoopProgress) -> None:
         self.status.update(samples_done=progress.samples, batches_done=progress.batches)
+
+    def after_dummy(self, progress: LoopProgress) -> None:
+        self.status.update(dummy_steps_done=progress.dummy_steps, dummy_steps_planned=progress.dummy_planned)
 
 
 class CallbackHook(LoopHook):
