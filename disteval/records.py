@@ -19,7 +19,10 @@ results.json written, null when unknown), throughput {images_per_s} (forward onl
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark}, device, versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
-per_rank when the ranks differ} (``disteval.common.allocator.summarize``). Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
+per_rank when the ranks differ} (``disteval.common.allocator.summarize``); under a device mesh (``dist.parallel``)
+parallel {dp_replicate, dp_shard, tp, dp_size, mesh_dim_names, batches_per_dp_rank, dummy_steps_per_dp_rank,
+metric_sync, tp_check, comm} and per_rank entries (the data-parallel ranks of TP rank 0) with dp_rank, tp_rank,
+dummy_steps, dummy_steps_planned. Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
 
 RUN_DIR/ranks/rank{r}/batches.json (``eval.record_batches``): per global batch [index, first sample id, size],
 one output digest per sample and the batch's float partials: what ``python -m diagnostics compare`` reads.
@@ -456,15 +459,21 @@ def _torchvision_version() -> str:
     return torchvision.__version__
 
 
+# under a device mesh (dist.parallel) each per_rank entry also holds these (``disteval.parallel.MeshRun.row``)
+MESH_ROW_FIELDS = ("dp_rank", "tp_rank", "dummy_steps", "dummy_steps_planned")
+
+
 def per_rank_record(row: dict, host: str | None) -> dict:
     """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
-    samples, batches, seconds_load, seconds_forward, local {metric: value})."""
+    samples, batches, seconds_load, seconds_forward, local {metric: value}; under a device mesh also
+    ``MESH_ROW_FIELDS``)."""
     fwd = row["seconds_forward"]
     return {"rank": int(row["rank"]), "host": host, "shard": [int(row["start"]), int(row["end"])],
             "samples": int(row["samples"]), "batches": int(row["batches"]),
             "metrics": dict(row.get("local") or {}),
             "seconds": {"load": row["seconds_load"], "forward": fwd},
-            "images_per_s": row["samples"] / fwd if fwd and fwd > 0 else None}
+            "images_per_s": row["samples"] / fwd if fwd and fwd > 0 else None,
+            **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
 
 
 def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: dict | None = None) -> dict:
