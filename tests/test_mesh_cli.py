@@ -4,6 +4,7 @@ ImageFolder whose 3 global batches split 2/1 between the data-parallel ranks."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,14 @@ import torch
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 
-from conftest import load_results
+from conftest import load_results, run_disteval
 from disteval.config import ParallelConfig
 from disteval.errors import ConfigError
+from disteval.models.builders import tp_split_problems
 from disteval.models.reference_cnn import vit_tiny
+from omegaconf import OmegaConf
+from diagnostics.evidence import load_run
+from diagnostics.machine import diagnose
 from reference import reference_metrics
 from test_imagenet import _tree
 
@@ -39,21 +44,37 @@ def test_bad_mesh_fails_before_ranks_start(cli, tmp_path):
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "dp_replicate=1 x dp_shard=1 x tp=2 = 2 ranks, but dist.world_size=3" in text
     assert not (run_dir / "ranks").exists()
-    # vit_tiny has 2 attention heads: they cannot be split 4 ways
-    proc, run_dir = cli(*VIT, f"data.root={root}", "dist.world_size=4", "dist.parallel.tp=4")
-    text = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and "dist.parallel.tp: model.name=vit_tiny: attention heads" in text
-    assert "is not a multiple of tp=4" in text and not (run_dir / "ranks").exists()
 
 
-def test_fsdp_and_tp_run_exact_with_planned_dummy_steps(cli, tmp_path):
+def test_tp_degree_must_divide_heads_and_mlp_width():
+    """preflight's check (``check_parallel``), on the meta device: vit_tiny has 2 heads and an MLP of 64."""
+    cfg = OmegaConf.create({"model": {"name": "vit_tiny", "num_classes": 3, "kwargs": None}})
+    assert tp_split_problems(cfg.model, 2) == []
+    problems = tp_split_problems(cfg.model, 4)
+    assert problems == ["attention heads (encoder.layers.0.self_attention.num_heads = 2) is not a multiple of tp=4"]
+    assert tp_split_problems(OmegaConf.create({"name": "vit_tiny", "num_classes": 3, "kwargs": {"mlp_dim": 65}}), 2) == [
+        "MLP width (encoder.layers.0.mlp.0.out_features = 65) is not a multiple of tp=2"]
+    assert "no tensor-parallel plan for DigitsCNN" in tp_split_problems(
+        OmegaConf.create({"name": "digits_cnn", "num_classes": 10, "kwargs": None}), 2)[0]
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory):
+    """One real run of 4 ranks, dp_shard=2 x tp=2: (run_dir, CompletedProcess, model, data root)."""
+    tmp_path = tmp_path_factory.mktemp("meshcli")
     root = _tree(tmp_path / "val", per_class=3)  # 9 images: global batches of 4, 4, 1 -> dp ranks hold 2 and 1
     torch.manual_seed(0)
     model = vit_tiny(num_classes=3, image_size=32).eval()
     torch.nn.init.normal_(model.heads.head.weight)  # torchvision starts the head at zero
     torch.save(model.state_dict(), tmp_path / "vit.pt")
-    proc, run_dir = cli(*VIT, f"data.root={root}", f"model.checkpoint={tmp_path / 'vit.pt'}", "dist.world_size=4",
-                        "dist.parallel.dp_shard=2", "dist.parallel.tp=2")
+    run_dir = tmp_path / "run"
+    proc = run_disteval(*VIT, f"data.root={root}", f"model.checkpoint={tmp_path / 'vit.pt'}", "dist.world_size=4",
+                        "dist.parallel.dp_shard=2", "dist.parallel.tp=2", run_dir=run_dir)
+    return run_dir, proc, model, root
+
+
+def test_fsdp_and_tp_run_exact_with_planned_dummy_steps(mesh_run):
+    run_dir, proc, model, root = mesh_run
     assert proc.returncode == 0, proc.stderr
     res = load_results(run_dir)
     par = res["parallel"]
@@ -81,3 +102,70 @@ def test_fsdp_and_tp_run_exact_with_planned_dummy_steps(cli, tmp_path):
     for k in ("top1", "top2", "macro_f1"):
         assert got[k] == pytest.approx(want[k], rel=1e-12), k
     assert got["nll"] == pytest.approx(want["nll"], rel=1e-5)
+
+
+def _copy(run_dir: Path, dest: Path) -> Path:
+    shutil.copytree(run_dir, dest)
+    return dest
+
+
+def _status(run: Path, r: int) -> dict:
+    return json.loads((run / "ranks" / f"rank{r}" / "status.json").read_text())
+
+
+def _write_status(run: Path, r: int, record: dict) -> None:
+    (run / "ranks" / f"rank{r}" / "status.json").write_text(json.dumps(record))
+
+
+def _finding(diag, state: str, check: str):
+    return next(f for f in diag.findings if (f.state, f.check) == (state, check))
+
+
+def test_doctor_reads_the_mesh_of_a_healthy_run(mesh_run):
+    diag = diagnose(load_run(mesh_run[0]))
+    assert diag.verdict is None, [f.as_dict() for f in diag.findings if f.status == "fail"]
+    mesh = _finding(diag, "SHARDS", "mesh")
+    assert mesh.status == "pass" and "batches per dp rank [2, 1], planned dummy steps [0, 1]" in mesh.finding
+    assert _finding(diag, "SHARDS", "plan").status == "pass"  # shards over the 2 dp ranks, not the 4 ranks
+    assert _finding(diag, "COMM", "tp_peers").status == "pass"
+
+
+def test_doctor_names_missing_dummy_steps_tp_digests_and_where_ranks_hang(mesh_run, tmp_path):
+    """The real run's records, each changed as the failure would have left them."""
+    # rank 3 (dp rank 1) skipped its planned dummy step
+    run = _copy(mesh_run[0], tmp_path / "dummy")
+    record = _status(run, 3)
+    record["dummy_steps_done"] = 0
+    _write_status(run, 3, record)
+    f = _finding(diagnose(load_run(run)), "SHARDS", "mesh")
+    assert f.status == "fail" and f.culprit == 3 and "ran 0 of its 1 planned dummy steps" in f.finding
+    # TP peers [2, 3] were fed different samples: the TP check's error, as check_tp_peers words it
+    run = _copy(mesh_run[0], tmp_path / "digests")
+    (run / "results.json").unlink()
+    for r in (2, 3):
+        record = _status(run, r)
+        record.update(phase="failed", error={"type": "DistevalError", "traceback": "", "message":
+                      "tensor-parallel peers [2, 3] evaluated different samples (sample-id digests rank 2: 1, rank 3: "
+                      "2): TP peers must receive identical batches; the data must be split by data-parallel rank, "
+                      "not by global rank"})
+        _write_status(run, r, record)
+    f = _finding(diagnose(load_run(run)), "COMM", "tp_peers")
+    assert f.status == "fail" and f.culprit == 2 and "split by global rank" in f.finding
+    # ranks 2 and 3 left the forwards early and wait in the metric sync; 0 and 1 wait in an FSDP/TP forward
+    run = _copy(mesh_run[0], tmp_path / "hang")
+    (run / "results.json").unlink()
+    for r in range(4):
+        record = _status(run, r)
+        record.update(phase="forward" if r < 2 else "sync", batches_done=1, dummy_steps_done=0,
+                      in_collective=None if r < 2 else {"op": "synchronise", "since": record["t_update"]})
+        _write_status(run, r, record)
+    f = _finding(diagnose(load_run(run)), "COMM", "mesh_hang")
+    assert f.status == "fail" and f.phase == "forward"
+    assert "rank(s) [0, 1] wait in a model collective" in f.finding and "[2, 3] are already in the metric sync" in f.finding
+    # every rank in the metric sync: named as a sync hang, not a model collective
+    for r in range(2):
+        record = _status(run, r)
+        record.update(phase="sync", in_collective={"op": "synchronise", "since": record["t_update"]})
+        _write_status(run, r, record)
+    f = _finding(diagnose(load_run(run)), "COMM", "mesh_hang")
+    assert f.status == "fail" and f.phase == "sync" and "wait in the metric sync over the data-parallel group" in f.finding
