@@ -249,7 +249,8 @@ class RankRun:
                                                   float(cfg.eval.clip_sigma))
         run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
                "dataset": self.task.describe(), "task": self.task.identity(),
-               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"], "comm": ctx.comm.stats(),
+               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
+               "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
                "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
         results = build_results(cfg, run, last["rows"], metrics, extra={

@@ -117,6 +117,18 @@ class MeshRun:
                                "metric-state digests checked equal first; rank 0's group reported",
                 "tp_check": self.tp_check, "comm": {"dp": self.dp_comm.stats(), "tp": self.tp_comm.stats()}}
 
+    def comm_stats(self, base: Communicator) -> dict:
+        """results.json ``comm``: the default group's Communicator ``base`` plus the dp and tp ones, summed
+        (collectives, bytes, by_op, chunked; compression records of all three)."""
+        parts = [c.stats() for c in (base, self.dp_comm, self.tp_comm)]
+        by_op: dict[str, int] = {}
+        for p in parts:
+            for op, k in p["by_op"].items():
+                by_op[op] = by_op.get(op, 0) + k
+        return {"collectives": sum(p["collectives"] for p in parts), "bytes": sum(p["bytes"] for p in parts),
+                "by_op": by_op, "chunked": sum(p["chunked"] for p in parts),
+                "compression": {k: v for p in parts for k, v in p["compression"].items()}}
+
     def status_record(self) -> dict:
         """status.json ``parallel`` (written before the loop, read by the doctor): degrees, this rank's
         coordinates and TP peers, and the lockstep plan."""
