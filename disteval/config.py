@@ -274,7 +274,8 @@ class DistConfig:
     among the local ranks in ``fast`` mode.
     allocator: the ranks' malloc (``disteval.common.allocator``): auto (tcmalloc, else jemalloc where installed,
     else glibc-tuned) | system | glibc-tuned | tcmalloc | jemalloc; put into the environment the ranks are
-    started with (never into the driver's own), recorded in results.json ``allocator``."""
+    started with (never into the driver's own), recorded in results.json ``allocator``.
+    parallel: a device mesh for models split over several devices (``ParallelConfig``; all null = none)."""
 
     world_size: int = 2
     launcher: str = "local"
