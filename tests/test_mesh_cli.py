@@ -3,6 +3,7 @@
 ImageFolder whose 3 global batches split 2/1 between the data-parallel ranks."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from conftest import load_results, run_disteval
 from disteval.config import ParallelConfig
 from disteval.errors import ConfigError
 from disteval.models.builders import tp_split_problems
+from disteval.models.parallel_plans import prepare_vit, vit_state_dict_to_tp_layout
 from disteval.models.reference_cnn import vit_tiny
 from omegaconf import OmegaConf
 from diagnostics.evidence import load_run
@@ -44,6 +46,24 @@ def test_bad_mesh_fails_before_ranks_start(cli, tmp_path):
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "dp_replicate=1 x dp_shard=1 x tp=2 = 2 ranks, but dist.world_size=3" in text
     assert not (run_dir / "ranks").exists()
+
+
+def test_vit_attention_prepared_for_tp_keeps_the_weights():
+    """``prepare_vit`` puts nn.MultiheadAttention's weights head-major into one nn.Linear; the converted torchvision
+    state dict is exactly the prepared model's, and the outputs agree with the original to float32 rounding."""
+    torch.manual_seed(0)
+    original = vit_tiny(num_classes=3, image_size=32, num_heads=4).eval()
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    prepared = prepare_vit(copy.deepcopy(original))
+    converted = vit_state_dict_to_tp_layout(state, 4)
+    assert converted.keys() == prepared.state_dict().keys()
+    assert all(torch.equal(converted[k], v) for k, v in prepared.state_dict().items())
+    w = state["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"]  # [Wq; Wk; Wv], head_dim 8
+    qkv = converted["encoder.layers.encoder_layer_0.self_attention.qkv.weight"]
+    assert torch.equal(qkv[:8], w[:8]) and torch.equal(qkv[8:16], w[32:40]) and torch.equal(qkv[16:24], w[64:72])
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(x), original(x), rtol=1e-5, atol=1e-5)
 
 
 def test_tp_degree_must_divide_heads_and_mlp_width():

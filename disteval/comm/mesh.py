@@ -93,6 +93,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> MeshGroups:
     rank = dist.get_rank()
     dims.validate(dist.get_world_size())
     mesh = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=DIM_NAMES)
+    # the flattened data-parallel dim: DeviceMesh._flatten is private but the way torchtitan builds its "dp" mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     dp_rank, tp_rank = dims.coordinates(rank)
     if (dp_mesh.get_local_rank(), mesh["tp"].get_local_rank()) != (dp_rank, tp_rank):
