@@ -28,6 +28,7 @@ from diagnostics.findings import status_ev as _status_ev, what_was_found
 from diagnostics.init_checks import (STALL as _STALL, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
 from diagnostics.liveness import examine
+from diagnostics.mesh_checks import comm_mesh_hang, comm_tp_peers, mesh_of, shards_mesh
 from diagnostics.phases import rank_phase
 from diagnostics.remedies import Remedy
 
@@ -70,10 +71,14 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
                        Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"),
                        culprit=first if sampler == "padded" else None, phase="data")
     aligned = run.cfg("eval.mode", "bitwise") == "bitwise" and bs  # whole global batches per rank (v2 default)
+    mesh = mesh_of(run)  # under a device mesh the data is split over the data-parallel ranks only
+    tp = mesh["tp"] if mesh else 1
+    size = size // tp
     sizes = [batch_aligned_bounds(n, bs, size, r) if aligned else shard_bounds(n, size, r) for r in range(size)]
     sizes = [e - s for s, e in sizes]
     ev = [Evidence("results.json" if run.results else "ranks/*/status.json", str(n), field="dataset.num_samples")]
-    bad = [r for r, s in run.statuses.items() if s and s.get("samples_planned") not in (None, sizes[r] if r < size else None)]
+    bad = [r for r, s in run.statuses.items()
+           if s and s.get("samples_planned") not in (None, sizes[r // tp] if r // tp < size else None)]
     if bad:
         r = bad[0]
         return Finding("SHARDS", "plan", "fail", f"rank {r} planned {run.statuses[r]['samples_planned']} samples but its "
@@ -503,8 +508,8 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
 
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
     "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
-    "SHARDS": [shards_plan, shards_coverage],
+    "SHARDS": [shards_plan, shards_mesh, shards_coverage],
     "CONVERGENCE": [convergence_trials, convergence_flags, convergence_reference],
-    "COMM": [comm_timeout, comm_heartbeats, comm_mismatch, comm_stragglers],
+    "COMM": [comm_timeout, comm_tp_peers, comm_mesh_hang, comm_heartbeats, comm_mismatch, comm_stragglers],
     "RESULT": [result_outliers, result_sanity],
 }

@@ -249,6 +249,38 @@ class CommunicationConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """``dist.parallel.*``: a device mesh of ``dp_replicate x dp_shard x tp`` ranks for models evaluated split
+    over several devices (``disteval.comm.mesh``). The data is split over the data-parallel ranks
+    (dp_replicate x dp_shard) only; tensor-parallel peers see the same batches. dp_shard > 1 shards the model's
+    parameters with FSDP2, tp > 1 splits its layers by the architecture's plan
+    (``disteval.models.parallel_plans``). All null (the default): no mesh, every rank data-parallel as
+    always. A degree left null while another is set counts as 1; the product must be ``dist.world_size``."""
+
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    tp: Optional[int] = None
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.tp))
+
+    def degrees(self) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) with null as 1."""
+        return tuple(1 if v is None else int(v) for v in (self.dp_replicate, self.dp_shard, self.tp))
+
+    def validate(self, world_size: int) -> None:
+        """Raises ConfigError naming ``dist.parallel`` and the values when a degree is < 1 or their product is
+        not the world size."""
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            _at_least(f"dist.parallel.{name}", getattr(self, name), 1, nullable=True)
+        rep, shard, tp = self.degrees()
+        if self.enabled and rep * shard * tp != world_size:
+            raise ConfigError("dist.parallel", f"dp_replicate={rep} x dp_shard={shard} x tp={tp} = {rep * shard * tp}"
+                              f" ranks, but dist.world_size={world_size}: the product must equal the world size")
+
+
+@dataclass
 class DistConfig:
     """``dist.*``: how many ranks and how they come to exist (``launcher: local`` = torch.distributed.elastic
     on this machine). master_port 0 = a free port chosen by the rendezvous. ranks_per_node: under the
@@ -258,7 +290,8 @@ class DistConfig:
     among the local ranks in ``fast`` mode.
     allocator: the ranks' malloc (``disteval.common.allocator``): auto (tcmalloc, else jemalloc where installed,
     else glibc-tuned) | system | glibc-tuned | tcmalloc | jemalloc; put into the environment the ranks are
-    started with (never into the driver's own), recorded in results.json ``allocator``."""
+    started with (never into the driver's own), recorded in results.json ``allocator``.
+    parallel: a device mesh for models split over several devices (``ParallelConfig``; all null = none)."""
 
     world_size: int = 2
     launcher: str = "local"
@@ -268,10 +301,12 @@ class DistConfig:
     ranks_per_node: Optional[int] = None
     threads: Optional[int] = None
     allocator: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``dist.*`` key."""
         _at_least("dist.world_size", self.world_size, 1)
+        self.parallel.validate(self.world_size)
         if self.allocator not in ALLOCATORS:
             raise ConfigError("dist.allocator", f"{self.allocator!r} is not one of {list(ALLOCATORS)}")
         _at_least("dist.threads", self.threads, 1, nullable=True)

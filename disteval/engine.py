@@ -28,17 +28,18 @@ from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import allocator, startup
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
-from disteval.errors import CoverageError
+from disteval.errors import ConfigError, CoverageError
 from disteval.faults import FaultPlan
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
 from disteval.metrics import check_coverage, raise_if_incomplete
 from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
+from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
 from disteval.records import atomic_write_json, build_results, config_digest, rank_dir, read_status, write_results
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
-from disteval.sync import SyncPolicy, synchronise
+from disteval.sync import SyncPolicy, check_tp_peers, synchronise
 from disteval.tasks import resolve_task
 from disteval.watchdog import Watchdog, beat_interval, parent_to_watch, record_driver_death
 
@@ -57,7 +58,10 @@ class RankRun:
         self.task = resolve_task(cfg)(cfg)
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
+        self.mesh = MeshRun(ctx) if dims_from_config(cfg) is not None else None  # dist.parallel: a device mesh
         self.model = self.task.model(ctx.device)
+        if self.mesh is not None and self.model is not None:
+            self.model = parallel_model(self.model, self.mesh.groups)
         if self.model is not None:
             self.model = prepare_model(self.model, channels_last=bool(cfg.model.get("channels_last", False)),
                                        compile=bool(cfg.eval.get("compile", False)),
@@ -73,8 +77,15 @@ class RankRun:
         self.sampler = str(cfg.data.get("sampler", "exact"))
         self.policy = SyncPolicy.from_config(cfg.communication)
         n, b = len(self.dataset), int(cfg.data.batch_size)
-        self.shard = (batch_aligned_bounds(n, b, ctx.world_size, ctx.rank) if self.bitwise
-                      else shard_bounds(n, ctx.world_size, ctx.rank))
+        # the data is split over the data-parallel ranks: all ranks without a mesh, dp ranks under one
+        self.dp_rank, self.dp_size = (self.mesh.dp_rank, self.mesh.dp_size) if self.mesh else (ctx.rank, ctx.world_size)
+        self.shard = (batch_aligned_bounds(n, b, self.dp_size, self.dp_rank) if self.bitwise
+                      else shard_bounds(n, self.dp_size, self.dp_rank))
+        if self.mesh and isinstance(self.dataset, StreamSource):
+            raise ConfigError("dist.parallel", "a device mesh needs a map-style dataset, not a streamed one")
+        self.dummy_steps = self.mesh.lockstep(n, b, self.bitwise) if self.mesh else 0
+        if self.mesh:
+            ctx.status.update(parallel=self.mesh.status_record(), force=True)
         # preemption: resume from this rank's checkpoint, and write one when SLURM signals the job
         # (single-trial exact runs only: a checkpoint holds one pass over one exact shard)
         self.ckpt_path = rank_dir(ctx.run_dir, ctx.rank) / CHECKPOINT
@@ -83,7 +94,9 @@ class RankRun:
         # streamed data in fast mode with several loader workers: their positions are not one count per rank
         fast_multi_worker_stream = (isinstance(self.dataset, StreamSource) and not self.bitwise
                                     and int(cfg.data.num_workers) > 1)
-        self.resumable = int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
+        # (not under a mesh: a resumed rank would skip batches its FSDP/TP peers still run)
+        self.resumable = (int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
+                          and self.mesh is None)
         self.outcomes: list[dict] = []
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
 
@@ -97,13 +110,14 @@ class RankRun:
 
     def _spec(self, skip: int) -> ShardSpec:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()
-        return ShardSpec(self.ctx.rank, self.ctx.world_size, int(cfg.data.batch_size), aligned=self.bitwise,
+        return ShardSpec(self.dp_rank, self.dp_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
                          collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
                          device=self.ctx.device, prefetch_factor=int(cfg.data.get("prefetch_factor", 4)),
                          persistent_workers=bool(cfg.data.get("persistent_workers", True)) and int(cfg.eval.trials) > 1,
                          warmup=bool(cfg.eval.get("compile", False)),
-                         skipped=list(self.skipped_before) if skip else [])
+                         skipped=list(self.skipped_before) if skip else [], dummy_steps=self.dummy_steps,
+                         dummy_inputs=first_inputs(self.dataset, collate) if self.dummy_steps else None)
 
     def _resume(self, ev: Evaluator) -> int:
         ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
@@ -175,12 +189,14 @@ class RankRun:
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
-                **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {})}
+                **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
+                **(self.mesh.row(progress) if self.mesh else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:
         ctx, cfg = self.ctx, self.ctx.cfg
+        comm = self.mesh.dp_comm if self.mesh else ctx.comm  # under a mesh: the data-parallel group only
         if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
-            ctx.comm.set_timeout(float(cfg.communication.sync_timeout_s))
+            comm.set_timeout(float(cfg.communication.sync_timeout_s))
         t_sync = time.perf_counter()
         row = self._row(ev, progress)
         if cfg.eval.get("save_predictions") and hasattr(ev.metric, "predictions"):
@@ -191,8 +207,11 @@ class RankRun:
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "batches.json", log_)
         exclude = bool(cfg.eval.get("exclude_outlier_ranks"))
         local = ev.state_dict() if exclude else None
+        if self.mesh is not None:
+            ctx.status.update(in_collective={"op": "tp_check", "since": time.time()}, force=True)
+            self.mesh.tp_check = check_tp_peers(ev, self.mesh.tp_comm, self.mesh.groups.tp_peers)
         ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
-        synced = synchronise(ev, ctx.comm, row, self.policy)
+        synced = synchronise(ev, comm, row, self.policy)
         outliers = rank_outliers([r["local"].get("accuracy") for r in synced.rows], [r["samples"] for r in synced.rows],
                                  float(cfg.eval.get("outlier_z", 3.5)))
         # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
@@ -203,7 +222,7 @@ class RankRun:
             final = self.evaluator()
             if ctx.rank not in drop:
                 final.load_state_dict(local)
-            kept_runs = synchronise(final, ctx.comm, row, self.policy).runs
+            kept_runs = synchronise(final, comm, row, self.policy).runs
         out = {"rows": synced.rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
                "batches": progress.batches, "seconds_forward": progress.seconds_forward,
                "seconds_sync": time.perf_counter() - t_sync, "metrics": None, "coverage": None}
@@ -247,13 +266,15 @@ class RankRun:
                                                   float(cfg.eval.clip_sigma))
         run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
                "dataset": self.task.describe(), "task": self.task.identity(),
-               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"], "comm": ctx.comm.stats(),
+               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
+               "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
                "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
             "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
+            **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))

@@ -35,6 +35,9 @@ class ShardSpec:
     computes (``DeviceFeed``). prefetch_factor, persistent_workers: the DataLoader's (with workers; persistent
     loaders are kept for the next trial, ``eval.trials``). warmup: time the first batch apart
     (``LoopProgress.seconds_warmup``: compilation with ``eval.compile``).
+    dummy_steps: forwards to run after
+    the shard, outputs discarded (a model sharded across data-parallel ranks needs every rank in each forward;
+    ``disteval.data.sharding.lockstep_plan``); dummy_inputs: ``() -> inputs`` of one such forward.
     """
 
     rank: int
@@ -51,6 +54,8 @@ class ShardSpec:
     prefetch_factor: int = 4
     persistent_workers: bool = False
     warmup: bool = False
+    dummy_steps: int = 0
+    dummy_inputs: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -69,6 +74,8 @@ class LoopProgress:
     skipped: list = field(default_factory=list)  # positions skipped by data.on_decode_error=skip (streamed data)
     seconds_warmup: float = 0.0  # the first batch's seconds when timed apart (ShardSpec.warmup), else 0
     samples_warmup: int = 0
+    dummy_planned: int = 0  # forwards planned after the shard whose outputs are discarded (lockstep)
+    dummy_steps: int = 0  # of those, run so far
 
 
 class LoopHook:
@@ -89,8 +96,11 @@ class LoopHook:
     def after_batch(self, progress: LoopProgress) -> None:
         """After each batch was accumulated."""
 
+    def after_dummy(self, progress: LoopProgress) -> None:
+        """After each dummy step (a forward whose outputs are discarded, ``ShardSpec.dummy_steps``)."""
+
     def after_loop(self, progress: LoopProgress) -> None:
-        """Once, after the last batch."""
+        """Once, after the last batch and the dummy steps."""
 
 
 def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
@@ -252,10 +262,14 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
             first = spec.rank * max(len(loader), 1)
         progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
+    if spec.dummy_steps and spec.dummy_inputs is None:
+        raise ValueError(f"ShardSpec: {spec.dummy_steps} dummy steps planned but no dummy_inputs")
+    progress.dummy_planned = spec.dummy_steps
     step = step or (lambda m, x: m(x).float())
     if spec.warmup:
         progress.seconds_warmup = -1.0  # marks: time the first batch apart
-    return inference_on_dataset(model, DeviceFeed(loader, spec.device), evaluator, step, progress, hooks)
+    progress = inference_on_dataset(model, DeviceFeed(loader, spec.device), evaluator, step, progress, hooks)
+    return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)
 
 
 class DeviceFeed:
@@ -330,6 +344,21 @@ def _record(obj: Any, stream: Any) -> None:
             _record(o, stream)
 
 
+def run_dummy_steps(model: Any, step: Callable[[Any, Any], Any], progress: LoopProgress, hooks: Sequence[LoopHook],
+                    dummy_inputs: Callable[[], Any] | None) -> LoopProgress:
+    """The ``progress.dummy_planned`` dummy steps after the shard: ``step(model, dummy_inputs())`` under
+    ``torch.inference_mode``, outputs discarded (never accumulated, never counted as samples or batches), each
+    counted in ``progress.dummy_steps``; a model sharded across data-parallel ranks (FSDP) issues its
+    collectives in them as in a real step, so ranks with fewer batches keep their peers' forwards matched."""
+    with torch.inference_mode():
+        for _ in range(progress.dummy_planned - progress.dummy_steps):
+            step(model, dummy_inputs())
+            progress.dummy_steps += 1
+            for hook in hooks:
+                hook.after_dummy(progress)
+    return progress
+
+
 def _unwrap_worker_error(exc: DistevalError) -> DistevalError:
     """A DataLoader worker's error arrives as "Caught DataError in DataLoader worker process 0. Original
     Traceback ...": keep the type and only the original one-line message (the traceback stays in the log)."""
@@ -352,6 +381,9 @@ class StatusHook(LoopHook):
 
     def after_batch(self, progress: LoopProgress) -> None:
         self.status.update(samples_done=progress.samples, batches_done=progress.batches)
+
+    def after_dummy(self, progress: LoopProgress) -> None:
+        self.status.update(dummy_steps_done=progress.dummy_steps, dummy_steps_planned=progress.dummy_planned)
 
 
 class CallbackHook(LoopHook):

@@ -11,6 +11,7 @@ import torch
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.config import validated
 from disteval.errors import ConfigError
+from disteval.models.builders import tp_split_problems, weights_plan
 from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
 from disteval.sync import SyncPolicy, check_sync_policy, sync_policy_notes
 from disteval.tasks import resolve_task
@@ -65,8 +66,34 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
                           "normally)") from None
     if cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
+    check_parallel(cfg, notes)
     task = resolve_task(cfg)(cfg)
     task.preflight(notes)
     metric, policy = task.metric(), SyncPolicy.from_config(cfg.communication)
     check_sync_policy(metric, policy)
     notes.extend(sync_policy_notes(metric, policy))
+
+
+def check_parallel(cfg: Any, notes: list[str]) -> None:
+    """``dist.parallel`` before any rank starts (the product of the degrees is checked by the config schema):
+    no streamed data (its shards are planned per rank, not per data-parallel rank), no outlier-rank exclusion,
+    and with tp > 1 an architecture whose plan splits it ``tp`` ways. A model without weights (random
+    initialisation) is said in ``notes`` (results.json warnings and the console). Raises ConfigError naming
+    the key."""
+    node = cfg.dist.get("parallel")
+    if not node or all(node.get(k) is None for k in ("dp_replicate", "dp_shard", "tp")):
+        return
+    if str(cfg.data.get("name")) == "webdataset":
+        raise ConfigError("dist.parallel", f"data.name={cfg.data.name} is streamed from tar shards; a device mesh "
+                          "needs a map-style dataset")
+    if cfg.eval.get("exclude_outlier_ranks"):
+        raise ConfigError("eval.exclude_outlier_ranks", "cannot leave ranks out under dist.parallel (a rank's "
+                          "TP/FSDP peers share its shard)")
+    tp = int(node.get("tp") or 1)
+    if tp > 1 and cfg.model.get("name") is not None:
+        problems = tp_split_problems(cfg.model, tp)
+        if problems:
+            raise ConfigError("dist.parallel.tp", f"model.name={cfg.model.name}: {'; '.join(problems)}")
+    if cfg.model.get("name") is not None and weights_plan(cfg.model)[0] == "random":
+        notes.append(f"model.name={cfg.model.name} runs with random initialisation (seed {cfg.get('seed', 0)}; no "
+                     "model.weights or model.checkpoint): the metrics measure the pipeline, not a trained model")

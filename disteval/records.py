@@ -21,7 +21,10 @@ without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, b
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark, tf32, model_dtype, channels_last, compile, compile_mode, inference_mode}, device, versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
-per_rank when the ranks differ} (``disteval.common.allocator.summarize``). Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
+per_rank when the ranks differ} (``disteval.common.allocator.summarize``); under a device mesh (``dist.parallel``)
+parallel {dp_replicate, dp_shard, tp, dp_size, mesh_dim_names, batches_per_dp_rank, dummy_steps_per_dp_rank,
+metric_sync, tp_check, comm} and per_rank entries (the data-parallel ranks of TP rank 0) with dp_rank, tp_rank,
+dummy_steps, dummy_steps_planned. Schema 2 (this version) added mode, compute, task, model.class and dataset.batch_size.
 
 RUN_DIR/ranks/rank{r}/batches.json (``eval.record_batches``): per global batch [index, first sample id, size],
 one output digest per sample and the batch's float partials: what ``python -m diagnostics compare`` reads.
@@ -458,9 +461,14 @@ def _torchvision_version() -> str:
     return torchvision.__version__
 
 
+# under a device mesh (dist.parallel) each per_rank entry also holds these (``disteval.parallel.MeshRun.row``)
+MESH_ROW_FIELDS = ("dp_rank", "tp_rank", "dummy_steps", "dummy_steps_planned")
+
+
 def per_rank_record(row: dict, host: str | None) -> dict:
     """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
-    samples, batches, seconds_load, seconds_forward, local {metric: value})."""
+    samples, batches, seconds_load, seconds_forward, local {metric: value}; under a device mesh also
+    ``MESH_ROW_FIELDS``)."""
     fwd = row["seconds_forward"]
     warm, warm_samples = float(row.get("seconds_warmup") or 0.0), int(row.get("samples_warmup") or 0)
     steady = fwd - warm if fwd else 0.0
@@ -468,7 +476,8 @@ def per_rank_record(row: dict, host: str | None) -> dict:
             "samples": int(row["samples"]), "batches": int(row["batches"]),
             "metrics": dict(row.get("local") or {}),
             "seconds": {"load": row["seconds_load"], "forward": fwd, "warmup": warm},
-            "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None}
+            "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None,
+            **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
 
 
 def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ By payload kind (``SyncPolicy``): each gather-state adds one metadata all_gather
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from disteval.comm import Communicator
-from disteval.errors import ConfigError
+from disteval.errors import ConfigError, DistevalError
 from disteval.metrics.base import Metric
 from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.ordered_sum import BatchTreeSum
@@ -167,3 +168,41 @@ def check_sync_policy(metric: Metric, policy: SyncPolicy) -> None:
             raise ConfigError("communication.compress_states", f"state {name!r} is declared exact by its metric "
                               f"and cannot be sent as {policy.compression}; compressible states: {compressible} "
                               "(communication.compression=lossless keeps it exact)")
+
+
+def _digest(tensors: list[torch.Tensor]) -> int:
+    """A 63-bit BLAKE2b digest of the tensors' shapes, dtypes and bytes, in order (int, non-negative)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def check_tp_peers(state: Evaluator, comm: Communicator, peers: list[int]) -> dict:
+    """Check that the tensor-parallel peers of this rank (the ranks of ``comm``'s group, global ranks
+    ``peers`` in group order) evaluated the same samples and accumulated bit-identical metric states: one
+    all_gather of two digests per rank (BLAKE2b of the sample-id runs; of every metric state, the coverage
+    and the float tree). TP peers receive identical batches and their models end every row-parallel layer with
+    the same all_reduce, so their states are equal; each then synchronises its own data-parallel group, and
+    rank 0's is the one reported. Returns ``{"sample_digest", "state_digest"}`` (hex strings).
+
+    Raises DistevalError on every rank of the group, naming the ranks and their digests, when the sample ids
+    differ (the data was split by global rank rather than by data-parallel rank: every sample would be counted
+    ``tp`` times over the world, or each TP rank fed different data) or, with equal ids, when the states do."""
+    local = state.state_dict()
+    ids = _digest([local["runs"]])
+    states = _digest([local["states"][k] for k in sorted(local["states"])] + [local["tree_where"], local["tree_values"]])
+    mine = torch.tensor([[ids, states]], dtype=torch.int64)
+    rows = [p.reshape(-1).tolist() for p in comm.all_gather_sized(mine, [1] * comm.world_size)]
+    for col, what in ((0, "sample ids"), (1, "metric states")):
+        if len({r[col] for r in rows}) > 1:
+            by_rank = ", ".join(f"rank {peers[i]}: {r[col]:016x}" for i, r in enumerate(rows))
+            if col == 0:
+                raise DistevalError(f"tensor-parallel peers {peers} evaluated different samples (sample-id digests "
+                                    f"{by_rank}): TP peers must receive identical batches; the data must be split "
+                                    "by data-parallel rank, not by global rank")
+            raise DistevalError(f"tensor-parallel peers {peers} evaluated the same samples but hold different "
+                                f"metric states (digests {by_rank}): their model outputs differ")
+    return {"sample_digest": f"{ids:016x}", "state_digest": f"{states:016x}"}

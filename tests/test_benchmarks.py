@@ -20,7 +20,7 @@ BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
 TABLES = {"allocator.py": "allocator policies",
           "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
-          "gather.py": "gathering float32 payloads", "startup.py": "start-up phases",
+          "gather.py": "gathering float32 payloads", "model_parallel.py": "model parallelism on CPU", "startup.py": "start-up phases",
           "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",
           "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
@@ -168,3 +168,14 @@ def test_throughput_check_compares_exact_counts_across_methods():
     problems = check(passes)
     assert len(problems) == 2 and "W=2 disteval pass 2: top1 901 != 900" in problems[0] and "top5 989" in problems[1]
     assert check({(1, "bare"): [{**ok, "top5": None}]}) == ["no method reported a top5 count"]
+
+
+def test_model_parallel_check_names_coverage_and_layout_mismatches():
+    check = _load("model_parallel").check
+    ok = {"coverage_ok": True, "num_samples": 8, "top1": 3}
+    good = {"dp=4": {"first": ok, "rounds": [ok]}, "dp_shard=4": {"first": ok, "rounds": [ok]}}
+    assert check({0: good, 1: good}, 8) == []
+    bad = {"dp=4": {"first": ok, "rounds": [ok]}, "dp_shard=4": {"first": ok, "rounds": [dict(ok, top1=4)]}}
+    assert "top-1 counts differ between layouts or rounds" in check({0: bad}, 8)[0]
+    short = {"dp=4": {"first": dict(ok, num_samples=16, coverage_ok=False), "rounds": [ok]}}
+    assert check({1: short}, 8)[0].startswith("rank 1, dp=4: counted 16 of 8 samples")

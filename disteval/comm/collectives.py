@@ -83,6 +83,9 @@ class Communicator:
         async_threshold_bytes: payloads above this size (bytes) go in asynchronous chunks; None = never.
         chunk_bytes: bytes per chunk in that mode (>= 1).
         max_in_flight: chunks outstanding at once (>= 1).
+        group: the process group its collectives run over (None = the default group, all ranks); under a
+            device mesh, e.g. the data-parallel group (``disteval.comm.mesh``). ``rank``, ``world_size``,
+            ``src`` and ``dst`` are then ranks *within* the group.
 
     Attributes: ``collectives`` (int, number issued), ``bytes`` (int, payload bytes this rank sent),
     ``by_op`` (Counter of op names), ``chunked`` (payloads sent in chunks), ``compression`` (per named
@@ -92,10 +95,11 @@ class Communicator:
     def __init__(self, device: torch.device | str = "cpu",
                  on_collective: Callable[[str, int], None] | None = None,
                  async_threshold_bytes: int | None = 64 * 1024 * 1024, chunk_bytes: int = 16 * 1024 * 1024,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, group: dist.ProcessGroup | None = None):
         if chunk_bytes < 1 or max_in_flight < 1:
             raise ValueError(f"chunk_bytes and max_in_flight must be >= 1, got {chunk_bytes}, {max_in_flight}")
         self.device = torch.device(device)
+        self.group = group
         self.on_collective = on_collective
         self.async_threshold_bytes = async_threshold_bytes
         self.chunk_bytes, self.max_in_flight = int(chunk_bytes), int(max_in_flight)
@@ -107,11 +111,11 @@ class Communicator:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank()
+        return dist.get_rank(self.group)
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size()
+        return dist.get_world_size(self.group)
 
     def _note(self, op: str, nbytes: int) -> None:
         self.collectives += 1
@@ -179,7 +183,7 @@ class Communicator:
         flat = flat.reshape(-1)
 
         def launch(lo, hi, async_op):
-            return dist.all_reduce(flat[lo:hi], op=dist.ReduceOp.SUM, async_op=async_op)
+            return dist.all_reduce(flat[lo:hi], op=dist.ReduceOp.SUM, async_op=async_op, group=self.group)
 
         self._run("all_reduce", flat.numel(), flat.element_size(), launch, not flat.dtype.is_floating_point)
         return flat
@@ -208,17 +212,19 @@ class Communicator:
         own = (stop - start) * row_numel
         out = torch.empty(own, dtype=tensor.dtype, device=self.device)
         longest = max(p.numel() for p in pieces)
-        direct = dist.get_backend() == "gloo"
+        direct = dist.get_backend(self.group) == "gloo"
         w = self.world_size
 
         def launch(lo, hi, async_op):
             inputs = [p[min(lo, p.numel()):min(hi, p.numel())] for p in pieces]
             dest = out[min(lo, own):min(hi, own)]
             if not direct:
-                return dist.reduce_scatter(dest, inputs, op=dist.ReduceOp.SUM, async_op=async_op)
+                return dist.reduce_scatter(dest, inputs, op=dist.ReduceOp.SUM, async_op=async_op,
+                                           group=self.group)
             recv = torch.empty(dest.numel() * w, dtype=tensor.dtype, device=self.device)
             work = dist.all_to_all_single(recv, torch.cat(inputs), output_split_sizes=[dest.numel()] * w,
-                                          input_split_sizes=[i.numel() for i in inputs], async_op=async_op)
+                                          input_split_sizes=[i.numel() for i in inputs], async_op=async_op,
+                                          group=self.group)
             finish = _RankOrderSum(work, recv.reshape(w, -1), dest)
             return finish if async_op else finish.wait()
 
@@ -316,11 +322,11 @@ class Communicator:
 
         def launch(lo, hi, async_op):
             if dst is None and not async_op:  # one call straight into the [W, n] result, no list to flatten
-                return _all_gather_single(out.reshape(-1), flat)
+                return _all_gather_single(out.reshape(-1), flat, group=self.group)
             outs = [out[r, lo:hi] for r in range(self.world_size)] if receive else None
             if dst is None:
-                return dist.all_gather(outs, flat[lo:hi], async_op=async_op)
-            return dist.gather(flat[lo:hi], gather_list=outs, dst=dst, async_op=async_op)
+                return dist.all_gather(outs, flat[lo:hi], async_op=async_op, group=self.group)
+            return dist.gather(flat[lo:hi], gather_list=outs, group_dst=dst, async_op=async_op, group=self.group)
 
         self._run("all_gather" if dst is None else "gather", flat.numel(), flat.element_size(), launch)
         if out is None:
@@ -341,13 +347,13 @@ class Communicator:
         tensor = tensor.to(self.device).contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._count(op, tensor)
-        dist.all_gather(parts, tensor)
+        dist.all_gather(parts, tensor, group=self.group)
         return [p.cpu() for p in parts]
 
     def set_timeout(self, seconds: float) -> None:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),
         e.g. a larger one for the final synchronisation so that a slow but alive rank does not fail the run."""
-        dist.set_timeout(timedelta(seconds=float(seconds)))
+        dist.set_timeout(timedelta(seconds=float(seconds)), group=self.group)
 
     def broadcast_json(self, obj: dict | None, src: int = 0) -> dict:
         """Broadcast a JSON-serialisable dict from ``src`` (run metadata: run id, output dir, seed, start
@@ -360,7 +366,7 @@ class Communicator:
         length = torch.tensor([len(data) if self.rank == src and data is not None else 0], dtype=torch.int64,
                               device=self.device)
         self._count("broadcast", length)
-        dist.broadcast(length, src)
+        dist.broadcast(length, group_src=src, group=self.group)
         n = int(length.item())
         if self.rank == src:
             buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
@@ -369,5 +375,5 @@ class Communicator:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n:
             self._count("broadcast", buf)
-            dist.broadcast(buf, src)
+            dist.broadcast(buf, group_src=src, group=self.group)
         return bytes(buf.cpu().numpy().tobytes())

@@ -17,8 +17,8 @@ from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_boun
 
 SAMPLERS = ("exact", "padded", "drop_last")
 
-__all__ = ["SAMPLERS", "ExactShardSampler", "batch_aligned_bounds", "build_sampler", "num_batches", "sampler_span",
-           "shard_bounds"]
+__all__ = ["SAMPLERS", "ExactShardSampler", "batch_aligned_bounds", "build_sampler", "lockstep_plan", "num_batches",
+           "sampler_span", "shard_batches", "shard_bounds"]
 
 
 class ExactShardSampler(Sampler[int]):
@@ -81,3 +81,32 @@ def sampler_span(sampler: Sampler[int]) -> tuple[int, int]:
         return sampler.start, sampler.end
     idx = list(iter(sampler))
     return (min(idx), max(idx) + 1) if idx else (0, 0)
+
+
+def shard_batches(num_samples: int, batch_size: int, world_size: int, rank: int, aligned: bool = True) -> int:
+    """Loader batches of ``rank``'s exact shard: whole global batches (``aligned``) or ``ceil(shard / B)`` of a
+    sample-even shard."""
+    if aligned:
+        first, last = shard_bounds(num_batches(num_samples, batch_size), world_size, rank)
+        return last - first
+    start, end = shard_bounds(num_samples, world_size, rank)
+    return num_batches(end - start, batch_size)
+
+
+def lockstep_plan(num_samples: int, batch_size: int, dp_replicate: int, dp_shard: int,
+                  aligned: bool = True) -> dict[str, list[int]]:
+    """Batches and planned dummy steps of every data-parallel rank under a ``dp_replicate x dp_shard`` mesh.
+
+    The data is split among the ``dp = dp_replicate x dp_shard`` ranks only (exact shards, so counts differ by
+    up to one batch). A model sharded over ``dp_shard`` (FSDP) issues collectives in every forward among the
+    ``dp_shard`` ranks of one replica group (dp ranks ``r * dp_shard .. (r + 1) * dp_shard - 1``), so a rank
+    with fewer batches runs ``max(batches in its group) - batches`` dummy steps (forwards whose outputs are
+    discarded) to keep them in lockstep; with ``dp_shard == 1`` no forward has a peer and no dummy step is
+    planned. Returns ``{"batches": [dp], "dummy_steps": [dp]}`` indexed by dp rank."""
+    dp = dp_replicate * dp_shard
+    batches = [shard_batches(num_samples, batch_size, dp, r, aligned) for r in range(dp)]
+    dummy = []
+    for r in range(dp):
+        group = batches[(r // dp_shard) * dp_shard:(r // dp_shard + 1) * dp_shard]
+        dummy.append(max(group) - batches[r] if dp_shard > 1 else 0)
+    return {"batches": batches, "dummy_steps": dummy}

@@ -17,6 +17,7 @@ from torch import nn
 
 from disteval.errors import CheckpointError, ConfigError
 from disteval.models.checkpoint import check_state_dict, load_state_dict_file
+from disteval.models.parallel_plans import tp_problems
 from disteval.models.reference_cnn import REFERENCE_MODELS, SHIPPED_CHECKPOINTS
 
 
@@ -138,6 +139,14 @@ def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] |
             raise ConfigError("model.weights", f"cannot fetch {model.name} {model.weights} from {source.url} "
                               f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH to a local "
                               "state dict") from exc
+
+
+def tp_split_problems(model: Any, tp: int) -> list[str]:
+    """Why the configured architecture cannot be split ``tp`` ways by its tensor-parallel plan
+    (``disteval.models.parallel_plans.tp_problems``), checked on the meta device (no memory). [] when it can."""
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        net = _architecture(model, int(model.num_classes or 2))
+    return tp_problems(net, tp)
 
 
 def build_model(model: Any, num_classes: int, seed: int = 0) -> nn.Module:
