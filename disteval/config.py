@@ -283,7 +283,10 @@ class EvalConfig:
     record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
     partials) for ``python -m diagnostics compare``. overwrite: a run directory that holds a finished run's
     results.json is refused unless true; then the old records (results, ranks/, .hydra/, logs) are moved to
-    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``)."""
+    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``). ignore_index: the label value semantic
+segmentation leaves out of every count (default 255, VOC's boundary; null: none); with save_predictions=true a
+segmentation run writes its predicted maps as a COCO-style results file (image_id = sample id, category_id =
+class index)."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -301,6 +304,7 @@ class EvalConfig:
     iou_type: str = "bbox"
     save_predictions: bool = False
     overwrite: bool = False
+    ignore_index: Optional[int] = 255
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
@@ -317,6 +321,8 @@ class EvalConfig:
         _at_least("eval.ece_bins", self.ece_bins, 1)
         if self.iou_type not in ("bbox", "segm"):
             raise ConfigError("eval.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
+        if self.ignore_index is not None and self.ignore_index < 0:
+            raise ConfigError("eval.ignore_index", f"must be a label value >= 0 or null, got {self.ignore_index}")
 
 
 @dataclass
