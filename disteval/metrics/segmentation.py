@@ -30,9 +30,12 @@ the predictions); a class absent from both is reported as null and excluded from
   image's pixels, averaged over every (image, class) pair whose union is non-empty (a pooled mean over pairs,
   not a mean of per-image means); ``per_class_IoU_per_image``: per class the mean over the images where it is
   present (torchmetrics' ``per_class=True``). Pixels labelled ``ignore_index`` are left out here too.
+Every mean and weighted sum is computed from an exactly rounded sum (``math.fsum``) divided by the count, so
+it does not depend on the order of classes or images.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -73,8 +76,10 @@ def _nullable(values: np.ndarray) -> list:
 
 
 def _mean(values: np.ndarray) -> float | None:
+    """The mean of the non-nan values with an exactly rounded sum (``math.fsum``): independent of the order
+    and grouping of the values; None when every value is nan."""
     kept = values[~np.isnan(values)]
-    return float(kept.mean()) if kept.size else None
+    return math.fsum(kept.tolist()) / kept.size if kept.size else None
 
 
 class SegmentationMetrics(Metric):
@@ -239,7 +244,7 @@ class SegmentationMetrics(Metric):
         dice = _ratio(2 * tp, support + predicted)
         total = int(support.sum())
         present = union > 0
-        fw = float((support[present] * iou[present]).sum() / total) if total else None
+        fw = math.fsum((support[present] * iou[present]).tolist()) / total if total else None
         out: dict = {"mIoU": _mean(iou), "mean_accuracy": _mean(acc),
                      "pixel_accuracy": int(tp.sum()) / total if total else None, "fwIoU": fw,
                      "mean_dice": _mean(dice), "num_pixels": total, "classes_present": int(present.sum()),
@@ -261,8 +266,9 @@ class SegmentationMetrics(Metric):
         iou = np.zeros(inter.shape, dtype=np.float64)
         np.divide(inter, union, out=iou, where=valid)
         pairs = int(valid.sum())
-        per_class = _ratio(iou.sum(0), valid.sum(0))
-        return {"mIoU_per_image": float(iou[valid].sum() / pairs) if pairs else None,
+        sums = np.array([math.fsum(col) for col in iou.T.tolist()], dtype=np.float64)
+        per_class = _ratio(sums, valid.sum(0))
+        return {"mIoU_per_image": math.fsum(iou[valid].tolist()) / pairs if pairs else None,
                 "per_class_IoU_per_image": _nullable(per_class), "num_images": int(rows.shape[0])}
 
     def local_summary(self) -> dict:
