@@ -25,12 +25,13 @@ from seg_reference import (COCO_GT, COCO_SEGM, IGNORE, coco_maps, metrics_from_c
 KEYS = ("mIoU", "mean_accuracy", "mean_dice", "pixel_accuracy", "num_pixels", "fwIoU", "per_class_IoU",
         "per_class_accuracy", "per_class_dice", "per_class_support", "per_class_predicted")
 BIG = [(2048, 2048)] * 4 + [(1, 7)]  # 2^24 + 7 labelled pixels of class 1
+BIG_RANKS = BIG[:4] + [(40, 40)]  # 2^24 + 1,600 pixels, 15 of them ignored
 LIVE_SIZES = [(40, 56), (48, 48), (40, 56), (64, 40), (33, 47), (48, 48), (50, 30)]
 
 
 def _replay_cfg(**data):
     return job({"model": {"name": "replay"}, "eval": {"metrics": ["segmentation"]},
-                "data": {"name": "semseg_replay", "batch_size": 8, **data}})
+                "data": {"name": "semseg_replay", "split": "val", "batch_size": 8, **data}})
 
 
 def _run(metric: SegmentationMetrics, dataset, batch: int) -> dict:
@@ -76,9 +77,11 @@ def test_generated_logits_resized_bilinearly_merge_and_slices():
         lab = torch.randint(0, c - 1, (h, w), generator=g)  # class c-1 never labelled
         lab[torch.rand(h, w, generator=g) < 0.1] = IGNORE
         logits = torch.randn(c, (h + 1) // 2, (w + 3) // 3, generator=g)
+        if i == 2:  # same size as the label, rounded: ties between classes go to the lowest index (numpy's argmax)
+            logits = (torch.randn(c, h, w, generator=g) * 2).round()
         for m in (whole, parts[i % 3]):
             m.update([logits], [lab.to(torch.uint8)], torch.tensor([i]))
-        preds.append(F.interpolate(logits[None], size=(h, w), mode="bilinear", align_corners=False)[0].argmax(0).numpy())
+        preds.append(np.argmax(F.interpolate(logits[None], size=(h, w), mode="bilinear", align_corners=False)[0].numpy(), 0))
         labels.append(lab.numpy())
     want = metrics_from_confusion(sklearn_confusion(labels, preds, c))
     got = whole.compute()
@@ -199,7 +202,7 @@ def test_voc_experiment_refused_before_ranks_without_its_folder(tmp_path):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, coco):
     root = tmp_path_factory.mktemp("seg")
-    big_labels = [np.ones(s, np.uint8) for s in BIG]
+    big_labels = [np.ones(s, np.uint8) for s in BIG_RANKS]
     big_preds = [lab.copy() for lab in big_labels]
     big_labels[0][:3, :5], big_preds[1][7:9, :] = IGNORE, 2  # ignored pixels, and misses into class 2
     write_voc(root / "big", None, big_labels, predictions=big_preds)
@@ -212,16 +215,17 @@ def ranks(tmp_path_factory, coco):
     cases = {"coco_b7": {**replay, "data": {**coco_data, "batch_size": 7}},
              "coco_b16_rs": {**replay, "data": {**coco_data, "batch_size": 16},
                              "communication": {"reduce_scatter_min_bytes": 0}},  # confusion reduce-scattered
-             "big": {**replay, "data": {"name": "semseg_replay", "root": str(root / "big"), "num_classes": 3,
+             "big": {**replay, "data": {"name": "semseg_replay", "split": "val", "root": str(root / "big"), "num_classes": 3,
                                         "predictions": str(root / "big" / "pred"), "batch_size": 2}}}
     live = {"live": {"model": {"name": "lraspp_mobilenet_v3_large", "weights": None, "num_classes": 5},
-                     "data": {"name": "voc", "root": str(root / "live"), "batch_size": 3, "num_workers": 0,
+                     "data": {"name": "voc", "split": "val", "root": str(root / "live"), "batch_size": 3, "num_workers": 0,
                               "num_classes": 5, "resize_size": 32},  # logits 32 px short side, labels larger
                      "eval": {"metrics": ["segmentation"], "save_predictions": True}}}
     out = {}
     for w in (1, 2, 3, 4):
         d = tmp_path_factory.mktemp(f"w{w}")
-        todo = {**cases, **(live if w <= 3 else {})}
+        todo = {name: case for name, case in {**cases, **live}.items()
+                if not (name == "live" and w == 4) and not (name == "coco_b16_rs" and w in (1, 3))}
         launch(engine_cases_worker, (str(d), todo), w, str(d))
         out[w] = {name: load_metrics(d, name) for name in todo}
         if w <= 3:
@@ -234,9 +238,11 @@ def test_coco_replay_equals_sklearn_at_every_world_size(ranks, coco):
     _, out, _ = ranks
     want = coco[3]
     for w in (1, 2, 3, 4):
-        for name in ("coco_b7", "coco_b16_rs"):
+        for name in [n for n in ("coco_b7", "coco_b16_rs") if n in out[w]]:
             res = out[w][name]
             assert res["world_size"] == w and res["coverage"]["ok"]
+            if name == "coco_b16_rs":
+                assert res["comm"]["by_op"].get("reduce_scatter", 0) >= 2, res["comm"]
             for key in KEYS:
                 assert res["metrics"][key] == want[key], (w, name, key)
             assert res["metrics"] == out[1]["coco_b7"]["metrics"], (w, name)  # bit for bit, every key

