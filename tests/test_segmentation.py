@@ -19,8 +19,8 @@ from disteval.errors import ConfigError, DataError
 from disteval.metrics.segmentation import SegmentationMetrics
 from disteval.tasks.segmentation import SegmentationReplayTask
 from launchers.local import launch
-from seg_reference import (COCO_GT, COCO_SEGM, IGNORE, coco_maps, metrics_from_confusion, sklearn_confusion,
-                           write_voc)
+from seg_reference import (COCO_GT, COCO_SEGM, IGNORE, coco_maps, metrics_from_confusion, numpy_confusion,
+                           sklearn_confusion, write_voc)
 
 KEYS = ("mIoU", "mean_accuracy", "mean_dice", "pixel_accuracy", "num_pixels", "fwIoU", "per_class_IoU",
         "per_class_accuracy", "per_class_dice", "per_class_support", "per_class_predicted")
@@ -198,6 +198,37 @@ def test_voc_experiment_refused_before_ranks_without_its_folder(tmp_path):
         preflight(replay)
 
 
+@pytest.mark.gpu
+def test_cuda_update_counts_on_the_device_without_host_sync():
+    """On a CUDA device update() issues no host synchronisation (torch's sync debug mode raises on one) and
+    counts exactly what the CPU path counts; a bad label is raised at the flush, naming the sample."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g, c, dev = torch.Generator().manual_seed(9), 7, torch.device("cuda")
+    batches = []
+    for k, (h, w) in enumerate([(33, 41), (64, 64), (17, 90)]):
+        lab = torch.randint(0, c, (h, w), generator=g, dtype=torch.uint8)
+        lab[:2] = IGNORE
+        batches.append(([torch.randn(c, h // 2, w // 2, generator=g)], [lab], torch.tensor([k])))
+    cpu, gpu = SegmentationMetrics(c), SegmentationMetrics(c)
+    for outs, labs, ids in batches:
+        cpu.update(outs, labs, ids)
+    pinned = [([o.to(dev) for o in outs], [lab.pin_memory() for lab in labs], ids) for outs, labs, ids in batches]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for outs, labs, ids in pinned:
+            gpu.update(outs, labs, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert gpu.states()["confusion"][0].device.type == "cuda"
+    assert torch.equal(gpu.states()["confusion"][0].cpu(), cpu.states()["confusion"][0])
+    bad = SegmentationMetrics(c)
+    bad.update([torch.zeros(c, 2, 2, device=dev)], [torch.tensor([[0, 9], [1, 1]], device=dev)], torch.tensor([5]))
+    with pytest.raises(DataError, match="sample id 5"):
+        bad.states()
+
+
 # ------------------------------------------------------------------------------------------ real ranks
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, coco):
@@ -251,7 +282,7 @@ def test_coco_replay_equals_sklearn_at_every_world_size(ranks, coco):
 
 def test_cell_beyond_2_24_through_ranks(ranks):
     _, out, (labels, preds) = ranks
-    want = metrics_from_confusion(sklearn_confusion(labels, preds, 3))
+    want = metrics_from_confusion(numpy_confusion(labels, preds, 3))
     assert want["per_class_support"][1] > 2 ** 24
     for w in (1, 2, 3, 4):
         got = out[w]["big"]["metrics"]
