@@ -1,10 +1,10 @@
 """Cost of disteval's per-batch segmentation statistics against a bare forward loop and torchmetrics.
 
     python benchmarks/segmentation.py [--size 512] [--batch-size 4] [--batches 6] [--repeats 3] [--threads 1]
-                                      [--classes 21] [--device cpu] [--smoke]
+                                      [--classes 21] [--device cpu] [--model NAME] [--smoke]
 
-One process, one model: a randomly initialised torchvision ``lraspp_mobilenet_v3_large`` (``--classes``
-outputs) on generated ``--size`` x ``--size`` images in ``--batches`` batches of ``--batch-size`` (labels: random
+One process, one model: a randomly initialised torchvision segmentation model (``--model``, default
+``lraspp_mobilenet_v3_large``, the lightest forward, so the hardest ratio; ``--classes`` outputs) on generated ``--size`` x ``--size`` images in ``--batches`` batches of ``--batch-size`` (labels: random
 classes with 5 % of pixels at 255, ignored), ``--threads`` intra-op threads. Per batch, timed separately and
 interleaved, each on the very same logits:
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 IGNORE = 255
+DEFAULT_MODEL = "lraspp_mobilenet_v3_large"
 
 
 def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
     ap.add_argument("--classes", type=int, default=21)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a torchvision segmentation model name (random init)")
     ap.add_argument("--smoke", action="store_true", help="128x128, 2 batches of 2, 1 pass (seconds)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -125,8 +127,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = torchvision.models.get_model("lraspp_mobilenet_v3_large", weights=None, weights_backbone=None,
-                                         num_classes=args.classes).eval().to(device)
+    extra = {} if args.model.startswith("lraspp") else {"aux_loss": False}
+    model = torchvision.models.get_model(args.model, weights=None, weights_backbone=None, num_classes=args.classes,
+                                         **extra).eval().to(device)
     batches = make_batches(args)
 
     def fresh():
@@ -143,7 +146,7 @@ def main() -> int:
             per_method[k].extend(v)
         problems += check(metric, tm)
     med = {k: statistics.median(v) for k, v in per_method.items()}
-    table = Table(title=f"segmentation statistics per batch: lraspp_mobilenet_v3_large (random init), {args.batch_size} x "
+    table = Table(title=f"segmentation statistics per batch: {args.model} (random init), {args.batch_size} x "
                         f"{args.size}x{args.size}, {args.classes} classes, {args.threads} thread(s), {device}")
     for col in ("per batch", "median ms", "of forward"):
         table.add_column(col, justify="left" if col == "per batch" else "right")
@@ -155,10 +158,12 @@ def main() -> int:
     vs_tm = med["disteval"] / med["torchmetrics"]
     console.print(f"disteval statistics: {share * 100:.2f} % of the forward time (target < 2 % on CPU at 512x512); "
                   f"{vs_tm:.2f}x torchmetrics' MulticlassJaccardIndex update")
-    write("segmentation", [row(f"segmentation statistics per batch ({args.batch_size}x{args.size}^2, {device})",
-                               f"{med['disteval'] * 1e3:.1f} ms", f"forward {med['forward'] * 1e3:.0f} ms", share),
-                           row("segmentation statistics vs torchmetrics MulticlassJaccardIndex update",
-                               f"{med['disteval'] * 1e3:.1f} ms", f"{med['torchmetrics'] * 1e3:.1f} ms", vs_tm)],
+    name = "segmentation" if args.model == DEFAULT_MODEL else f"segmentation_{args.model}"
+    write(name, [row(f"segmentation statistics per batch vs {args.model} forward ({args.batch_size}x{args.size}^2, "
+                     f"{args.threads} thread(s), {device})",
+                     f"{med['disteval'] * 1e3:.1f} ms", f"forward {med['forward'] * 1e3:.0f} ms", share),
+                 row(f"segmentation statistics vs torchmetrics MulticlassJaccardIndex update ({args.model} batches)",
+                     f"{med['disteval'] * 1e3:.1f} ms", f"{med['torchmetrics'] * 1e3:.1f} ms", vs_tm)],
           args.smoke)
     if problems:
         for p in problems:

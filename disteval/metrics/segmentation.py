@@ -13,7 +13,7 @@ States:
 
 Evaluation is at the label's own resolution: float logits [C, h, w] are resized bilinearly
 (``align_corners=False``, as torchvision's segmentation models resize their ``out`` head) to the label's
-[H, W] and the prediction is their argmax (ties to the lowest class index, ``max(0).indices``); labels are never interpolated.
+[H, W] and the prediction is their argmax (ties to the lowest class index; ``first_argmax``); labels are never interpolated.
 Images of different sizes come as lists, so nothing is padded.
 
 Definitions (C classes; tp_c = confusion[c, c], support_c = row sum, predicted_c = column sum,
@@ -58,6 +58,29 @@ def count_codes(codes: torch.Tensor, size: int) -> torch.Tensor:
         return torch.bincount(codes, minlength=size)
     out = torch.zeros(size, dtype=torch.int64, device=codes.device)
     return out.scatter_add_(0, codes, torch.ones_like(codes))
+
+
+def first_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``argmax`` over dim 0 of float logits [C, H, W] with ties to the lowest class index (``torch.argmax``'s
+    and numpy's rule) as uint8 [H, W] (int16 for C >= 256, int64 for C >= 32768), and the number of pixels whose
+    logits hold a NaN (0-d int64; their class is C - 1).
+
+    Computed as the max over classes (``amax``, a vectorised reduction over the outer dimension), then the
+    first class equal to it (``amax`` of (logits == max) * (C - k)): measured 4x faster than ``argmax(0)`` /
+    ``max(0).indices`` on one CPU thread at 21 x 512 x 512 (about 10 ms against 45 ms; their index-tracking
+    reduction over the outer dimension is not vectorised). ``out``: an optional bool buffer of ``logits``' shape,
+    reused across images to avoid fresh pages."""
+    c = logits.shape[0]
+    if c >= 32768:
+        return logits.argmax(0), torch.isnan(logits).any(0).sum()
+    m = logits.amax(0)
+    eq = torch.eq(logits, m.expand_as(logits), out=out) if out is not None else torch.eq(logits, m)
+    dtype = torch.uint8 if c < 256 else torch.int16
+    weights = torch.arange(c, 0, -1, dtype=dtype, device=logits.device).view(c, 1, 1)
+    key = eq.view(torch.uint8).mul_(weights) if dtype == torch.uint8 else eq.to(dtype).mul_(weights)
+    best = key.amax(0)  # C - k of the first maximum; 0 where nothing equals the max (a NaN)
+    nan = (best == 0).sum()
+    return torch.sub(c, best.clamp_(min=1)), nan
 
 
 def _as_list(x: Any) -> list:
@@ -111,11 +134,12 @@ class SegmentationMetrics(Metric):
         self._pending: list[torch.Tensor] = []
         self._bad: torch.Tensor | None = None  # CUDA: [invalid label pixels, first sample id with one]
         self._predictions: list[tuple[int, np.ndarray]] = []
+        self._eq_buffer: torch.Tensor | None = None  # first_argmax's bool buffer, reused across images
 
     # ----------------------------------------------------------------------------------------------- update
     def _prediction(self, out: torch.Tensor, label: torch.Tensor, sid: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The predicted class map int64 [H, W] of one image at the label's resolution, and for integer maps the
-        number of pixels outside [0, C) (clamped into range; None for logits, whose argmax always is)."""
+        """The predicted class map [H, W] (integer dtype) of one image at the label's resolution, and the number of its
+        invalid pixels (0-d int64): outside [0, C) for integer maps (clamped into range), NaN logits for logits."""
         size = tuple(label.shape)
         if out.dtype.is_floating_point:
             if out.ndim != 3 or out.shape[0] != self.num_classes:
@@ -123,7 +147,9 @@ class SegmentationMetrics(Metric):
                                 f"[{self.num_classes}, h, w] (num_classes={self.num_classes})")
             if tuple(out.shape[1:]) != size:
                 out = F.interpolate(out[None].float(), size=size, mode="bilinear", align_corners=False)[0]
-            return out.max(0).indices, None  # the first maximum, as argmax; measured ~3x faster than argmax(0)
+            if self._eq_buffer is None or self._eq_buffer.numel() < out.numel() or self._eq_buffer.device != out.device:
+                self._eq_buffer = torch.empty(out.numel(), dtype=torch.bool, device=out.device)
+            return first_argmax(out, self._eq_buffer[:out.numel()].view(out.shape))
         if tuple(out.shape) != size:
             raise DataError(f"sample id {sid}: predicted map of shape {tuple(out.shape)} but label map of shape "
                             f"{size} (predictions are compared at the label's resolution, never resized)")
@@ -163,7 +189,7 @@ class SegmentationMetrics(Metric):
                                 "expected an integer map [H, W]")
             pred, bad_pred = self._prediction(out, label, sid)
             rows, num_rows, ignore_row = self._rows(label)
-            codes = torch.add(pred.reshape(-1), rows.reshape(-1).long(), alpha=c)  # label * C + pred
+            codes = rows.reshape(-1).to(torch.int64).mul_(c).add_(pred.reshape(-1))  # label * C + pred
             counts = count_codes(codes, num_rows * c)
             cm = counts[:c * c].reshape(c, c)
             outside = counts[c * c:].sum()
@@ -194,7 +220,8 @@ class SegmentationMetrics(Metric):
                 raise DataError(f"sample id {sid}: {n} label pixels outside [0, {self.num_classes}) that are not "
                                 f"ignore_index={self.ignore_index} (check num_classes and the label files)")
             if bad_pred is not None and int(bad_pred):
-                raise DataError(f"sample id {sid}: {int(bad_pred)} predicted pixels outside [0, {self.num_classes})")
+                raise DataError(f"sample id {sid}: {int(bad_pred)} predicted pixels outside [0, {self.num_classes}) "
+                                "(or logits with NaN)")
             return
         if self._bad is None:
             self._bad = torch.tensor([0, torch.iinfo(torch.int64).max], dtype=torch.int64, device=device)
