@@ -47,22 +47,20 @@ def coco():
     return labels, preds, c, metrics_from_confusion(sklearn_confusion(labels, preds, c))
 
 
-def test_coco_maps_and_metrics_equal_pycocotools_sklearn(coco):
-    """The task's rasterised maps equal pycocotools' annToMask ones pixel for pixel; every metric equals the
-    numpy computation on scikit-learn's confusion matrix of those maps (== on floats)."""
+def test_coco_maps_equal_pycocotools(coco):
+    """The task's rasterised label and predicted maps equal pycocotools' annToMask ones pixel for pixel (the
+    metrics on them are compared with scikit-learn through real ranks below)."""
     labels, preds, c, want = coco
     task = SegmentationReplayTask(_replay_cfg(annotations=str(COCO_GT), predictions=str(COCO_SEGM)))
     task.preflight([])
     ds = task.dataset()
     assert task.num_classes == c == 81 and len(ds) == 100
-    for i in (0, 17, 99):
+    crowded = [i for i, lab in enumerate(labels) if (lab == IGNORE).any()]
+    for i in [0, 17, 99, *crowded[:2]]:
         pred, lab, sid = ds[i]
         assert sid == i and np.array_equal(lab.numpy(), labels[i]) and np.array_equal(pred.numpy(), preds[i])
-    assert sum(int((lab == IGNORE).sum()) for lab in labels) > 0  # the crowds are there
-    got = _run(task.metric(), ds, 7)
-    for key in KEYS:
-        assert got[key] == want[key], key
-    assert got["classes_present"] == sum(v is not None for v in want["per_class_IoU"]) < c  # absent -> null
+    assert crowded  # the crowds are there
+    assert want["mIoU"] is not None and sum(v is not None for v in want["per_class_IoU"]) < c  # absent -> null
 
 
 def test_generated_logits_resized_bilinearly_merge_and_slices():
