@@ -112,7 +112,8 @@ class SegmentationMetrics(Metric):
         num_classes: C (labels in [0, C) or ``ignore_index``; logits with C channels).
         ignore_index: the label value left out of every count (default 255, VOC's boundary value); None: none.
         per_image: also keep the per-image counts for ``mIoU_per_image`` (8 * (1 + 2C) bytes per image).
-        keep_predictions: keep each image's predicted map (on the host) for ``predictions()``.
+        keep_predictions: keep each image's predicted map (on the host: one device-to-host copy per image, the
+            only host synchronisation of ``update`` on a GPU) for ``predictions()``.
 
     ``update(outputs, targets, sample_ids)``: outputs = B float logits [C, h, w] (resized to the label) or B
     integer label maps [H, W] (replayed predictions), as a list or a stacked tensor; targets = B integer label
