@@ -339,7 +339,10 @@ class EvalConfig:
     the first batch, which compiles, is timed apart as results.json ``throughput.warmup_s`` and left out of
     the images/s). compile_mode: torch.compile's mode (default | reduce-overhead | max-autotune |
     max-autotune-no-cudagraphs). compile_backend: torch.compile's backend (inductor; ``eager`` or ``aot_eager``
-    trace the model without generating kernels: for checking that a model compiles, and in the tests)."""
+    trace the model without generating kernels: for checking that a model compiles, and in the tests).
+    ignore_index: the label value semantic segmentation leaves out of every count (default 255, VOC's boundary;
+    null: none); with save_predictions=true a segmentation run writes its predicted maps as a COCO-style results
+    file (image_id = sample id, category_id = class index)."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -360,6 +363,7 @@ class EvalConfig:
     compile: bool = False
     compile_mode: str = "default"
     compile_backend: str = "inductor"
+    ignore_index: Optional[int] = 255
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
@@ -381,6 +385,8 @@ class EvalConfig:
                               f"known: {_compile_backends()}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError("eval.compile_mode", f"{self.compile_mode!r} is not one of {list(COMPILE_MODES)}")
+        if self.ignore_index is not None and self.ignore_index < 0:
+            raise ConfigError("eval.ignore_index", f"must be a label value >= 0 or null, got {self.ignore_index}")
 
 
 @dataclass

@@ -20,7 +20,8 @@ BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
 TABLES = {"allocator.py": "allocator policies",
           "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
-          "gather.py": "gathering float32 payloads", "model_parallel.py": "model parallelism on CPU", "startup.py": "start-up phases",
+          "gather.py": "gathering float32 payloads", "model_parallel.py": "model parallelism on CPU",
+          "segmentation.py": "segmentation statistics per batch", "startup.py": "start-up phases",
           "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",
           "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
@@ -179,3 +180,22 @@ def test_model_parallel_check_names_coverage_and_layout_mismatches():
     assert "top-1 counts differ between layouts or rounds" in check({0: bad}, 8)[0]
     short = {"dp=4": {"first": dict(ok, num_samples=16, coverage_ok=False), "rounds": [ok]}}
     assert check({1: short}, 8)[0].startswith("rank 1, dp=4: counted 16 of 8 samples")
+
+
+def test_segmentation_check_compares_confusion_with_torchmetrics_exactly():
+    import torch
+    from torchmetrics.classification import MulticlassJaccardIndex
+
+    from disteval.metrics.segmentation import SegmentationMetrics
+
+    check = _load("segmentation").check
+    labels = torch.tensor([[[0, 1, 2], [255, 1, 1]]], dtype=torch.uint8)
+    logits = torch.zeros(1, 3, 2, 3)
+    logits[0, 1] = 1.0  # predicts class 1 everywhere
+    metric, tm = SegmentationMetrics(3), MulticlassJaccardIndex(3, ignore_index=255, average=None)
+    metric.update(list(logits), list(labels), torch.tensor([0]))
+    tm.update(logits, labels.long())
+    assert check(metric, tm) == []
+    tm.update(logits, labels.long())  # torchmetrics saw the batch twice
+    problems = check(metric, tm)
+    assert len(problems) == 1 and "confusion matrix differs from torchmetrics' confmat in 3 cells" in problems[0]

@@ -29,7 +29,9 @@ def test_default_job_is_digits_on_two_ranks():
 
 @pytest.mark.parametrize("name,model,data", [("fashion_mnist", "fashion_cnn", "fashion_mnist"),
                                              ("imagenet_vit", "vit_b_16", "imagefolder"),
-                                             ("digits", "digits_cnn", "digits")])
+                                             ("digits", "digits_cnn", "digits"),
+                                             ("coco_semseg_replay", "replay", "semseg_replay"),
+                                             ("voc_deeplabv3", "deeplabv3_resnet50", "voc")])
 def test_experiments_compose(name, model, data):
     cfg = _compose(f"+experiment={name}")
     assert (cfg.model.name, cfg.data.name) == (model, data)
