@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from disteval.comm import compression as cz
+from disteval.comm import topk as _topk
 from disteval.common.ranges import shard_bounds
 
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
@@ -343,6 +344,12 @@ class Communicator:
         self._count(op, tensor)
         dist.all_gather(parts, tensor)
         return [p.cpu() for p in parts]
+
+    def sharded_topk(self, gallery: torch.Tensor, gallery_positions: torch.Tensor, queries: torch.Tensor,
+                     query_positions: torch.Tensor, num_queries: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-k search over a gallery sharded across the ranks (``disteval.comm.topk.sharded_topk``;
+        ``spec`` a ``disteval.common.topk.SearchSpec``): this rank's queries' (scores, gallery positions)."""
+        return _topk.sharded_topk(self, gallery, gallery_positions, queries, query_positions, num_queries, spec)
 
     def set_timeout(self, seconds: float) -> None:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),
