@@ -1,0 +1,41 @@
+"""Ranks for tests/test_embedding_dist.py: one process group runs every sharded top-k case
+(``Communicator.sharded_topk``) on batch-aligned shards of the gallery and of the queries."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
+from disteval.common.ranges import batch_aligned_bounds
+from disteval.common.topk import SearchSpec
+
+GALLERY_BATCH, QUERY_BATCH = 64, 16
+
+
+@record
+def topk_worker(out_dir: str, data_path: str, cases: dict[str, dict]) -> None:
+    """For each case {gallery, queries (array names), n_queries, k, similarity, chunk, tile_queries,
+    tile_gallery}: this rank's batch-aligned shards -> sharded_topk; writes OUT/<case>.rank<r>.npz with the
+    rank's query positions, scores and gallery positions, and the bytes this rank sent."""
+    env = RankEnv.from_env()
+    init_process_group("gloo", 120, env)
+    torch.set_num_threads(1)
+    try:
+        data = np.load(data_path)
+        for name, c in cases.items():
+            gallery = torch.from_numpy(data[c["gallery"]])
+            queries = torch.from_numpy(data[c["queries"]][:c["n_queries"]])
+            g0, g1 = batch_aligned_bounds(gallery.shape[0], GALLERY_BATCH, env.world_size, env.rank)
+            q0, q1 = batch_aligned_bounds(queries.shape[0], QUERY_BATCH, env.world_size, env.rank)
+            comm = Communicator()
+            spec = SearchSpec(c["k"], c["similarity"], c["chunk"], c["tile_queries"], c["tile_gallery"])
+            qpos = torch.arange(q0, q1).flip(0)  # any order in, the same order out
+            scores, ids = comm.sharded_topk(gallery[g0:g1], torch.arange(g0, g1), queries[qpos], qpos,
+                                            queries.shape[0], spec)
+            np.savez(Path(out_dir) / f"{name}.rank{env.rank}.npz", positions=qpos.numpy(), scores=scores.numpy(),
+                     ids=ids.numpy(), bytes=np.int64(comm.bytes), collectives=np.int64(comm.collectives))
+    finally:
+        destroy_process_group()
