@@ -300,8 +300,8 @@ class EmbeddingConfig:
     recall_k: List[int] = field(default_factory=lambda: [1, 5, 10])
     map_at_r: bool = False
     chunk_size: int = 1000
-    tile_queries: int = 64
-    tile_gallery: int = 2048
+    tile_queries: int = 128
+    tile_gallery: int = 4096
     templates: List[str] = field(default_factory=lambda: ["a photo of a {}.", "a {} object."])
     generated_images: int = 512
     captions_per_image: int = 3

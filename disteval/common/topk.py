@@ -43,8 +43,8 @@ class SearchSpec:
     k: int
     similarity: Similarity = "ip"
     chunk: int = 1000
-    tile_queries: int = 64
-    tile_gallery: int = 2048
+    tile_queries: int = 128
+    tile_gallery: int = 4096
 
     def __post_init__(self):
         if self.similarity not in ("ip", "l2"):
@@ -150,10 +150,26 @@ def local_topk(queries: torch.Tensor, query_positions: torch.Tensor, gallery: Ga
         if qnorms is not None:
             g_norms = torch.cat([t[3] for t in tiles])
             scores = -((qnorms[:, None] + g_norms[None, :]) - 2.0 * scores)
-        keys = score_keys(scores, torch.cat([t[1] for t in tiles])[None, :])
-        keys.masked_fill_(~torch.cat([t[2] for t in tiles])[None, :], EMPTY)
-        best = merge_keys([best, keys], k)
+        best = merge_keys([best, _block_topk(scores, torch.cat([t[1] for t in tiles]), torch.cat([t[2] for t in tiles]),
+                                             k)], k)
     return best[rows]
+
+
+def _block_topk(scores: torch.Tensor, positions: torch.Tensor, present: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k keys of each row of a score block (float32 [R, C], columns at gallery ``positions`` [C], absent
+    columns ``~present``): a float top-k finds the k-th score; where no other column ties with it, the k
+    columns found are exactly the top-k set (only their keys are built); rows with a tie at the k-th score
+    get keys for the whole row. Returns int64 [R, min(k, C)] (``EMPTY`` for absent columns)."""
+    scores.masked_fill_(~present[None, :], float("-inf"))
+    kk = min(k, scores.shape[1])
+    vals, idx = torch.topk(scores, kk, dim=1)
+    keys = score_keys(vals, positions[idx])
+    keys.masked_fill_(vals == float("-inf"), EMPTY)
+    tied = torch.nonzero((scores >= vals[:, -1:]).sum(1) > kk).flatten()
+    if tied.numel():
+        full = score_keys(scores[tied], positions[None, :]).masked_fill_(~present[None, :], EMPTY)
+        keys[tied] = torch.topk(full, kk, dim=1).values
+    return keys
 
 
 def exact_search(queries: torch.Tensor, gallery: torch.Tensor, spec: SearchSpec) -> tuple[torch.Tensor, torch.Tensor]:

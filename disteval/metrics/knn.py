@@ -54,7 +54,8 @@ def first_hit_rank(groups: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def recall_hits(first_rank: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """int64 [len(ks)]: queries whose first correct item ranks below k (integer counts; recall = hits / n)."""
+    """int64 [len(ks)]: queries whose first correct item ranks below k (integer counts; recall = hits / n). The
+    ranks must come from at least max(ks) neighbours (rank K means none of the K was correct)."""
     return torch.stack([(first_rank < k).sum() for k in ks]).to(torch.int64)
 
 
