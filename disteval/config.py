@@ -282,6 +282,8 @@ class EmbeddingConfig:
     embeddings. similarity: ``ip`` (cosine when normalised) or ``l2``. knn_k, votes (weighted: DINO's
     exp(s/T) votes with ``temperature``; majority), recall_k, map_at_r: what is reported. chunk_size: queries
     per search round; tile_queries/tile_gallery: the fixed similarity tile (``disteval.common.topk``).
+    precision: ``float32``, or ``bfloat16``/``float16`` for a low-precision pass that picks the gallery tiles
+    that can hold a top-k item (margin from the rounding bound), re-scored in float32: the same exact top-k.
     gallery_limit / query_limit: first N items of each split (null = all). generated_images,
     captions_per_image, image_size: the generated pairs (``disteval.data.pairs``).
     """
@@ -302,6 +304,7 @@ class EmbeddingConfig:
     chunk_size: int = 1000
     tile_queries: int = 128
     tile_gallery: int = 4096
+    precision: str = "float32"
     templates: List[str] = field(default_factory=lambda: ["a photo of a {}.", "a {} object."])
     generated_images: int = 512
     captions_per_image: int = 3
@@ -313,6 +316,10 @@ class EmbeddingConfig:
             raise ConfigError("eval.embedding.protocol", f"{self.protocol!r} is not one of {list(EMBEDDING_PROTOCOLS)}")
         if self.similarity not in ("ip", "l2"):
             raise ConfigError("eval.embedding.similarity", f"must be ip or l2, got {self.similarity!r}")
+        if self.precision not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("eval.embedding.precision", f"must be float32, bfloat16 or float16, got {self.precision!r}")
+        if self.precision != "float32" and self.similarity != "ip":
+            raise ConfigError("eval.embedding.precision", "the low-precision candidate pass needs similarity=ip")
         bad = [v for v in self.votes if v not in ("weighted", "majority")]
         if bad or not self.votes:
             raise ConfigError("eval.embedding.votes", f"needs some of ['weighted', 'majority'], got {list(self.votes)}")

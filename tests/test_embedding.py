@@ -139,3 +139,29 @@ def test_open_clip_random_weights_need_no_network(monkeypatch):
         assert net.encode_text(tok(["a red square", "a blue disc"])).shape == (2, 16)
     with pytest.raises(ConfigError, match="model.weights"):
         build_open_clip(OmegaConf.merge(cfg, {"weights": "openai"}))
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_low_precision_candidates_with_float32_rerank_equal_float32(precision):
+    """Clustered unit vectors (near neighbours close in score) and integer vectors with exact ties: the
+    low-precision pass skips tiles, and the re-ranked top-k equals the float32 search bit for bit."""
+    from disteval.common.topk import GalleryTiles, candidate_tiles, rounding_bound
+
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(20, 48, generator=g)
+    gallery = torch.nn.functional.normalize(centres[torch.randint(0, 20, (3000,), generator=g)]
+                                            + 0.3 * torch.randn(3000, 48, generator=g), dim=1)
+    queries = torch.nn.functional.normalize(centres[torch.randint(0, 20, (64,), generator=g)]
+                                            + 0.3 * torch.randn(64, 48, generator=g), dim=1)
+    ties_g = torch.randint(-1, 2, (500, 6), generator=g).float()
+    ties_q = torch.randint(-1, 2, (30, 6), generator=g).float()
+    for q, x, k in ((queries, gallery, 10), (ties_q, ties_g, 10)):
+        exact = SearchSpec(k, "ip", chunk=7, tile_queries=8, tile_gallery=64)
+        low = SearchSpec(k, "ip", chunk=7, tile_queries=8, tile_gallery=64, precision=precision)
+        ref, got = exact_search(q, x, exact), exact_search(q, x, low)
+        assert torch.equal(ref[0].view(torch.int32), got[0].view(torch.int32)) and torch.equal(ref[1], got[1])
+    needed = candidate_tiles(queries[:1], GalleryTiles(gallery, torch.arange(3000), low))
+    assert 0 < len(needed) < -(-3000 // 64)  # some tiles are re-scored in float32, not all
+    # the bound holds on these data: |s_lp - s| <= c |q| |g|
+    lp = (queries.to(getattr(torch, precision)) @ gallery.to(getattr(torch, precision)).t()).float()
+    assert float((lp - queries @ gallery.t()).abs().max()) <= rounding_bound(precision, 48)

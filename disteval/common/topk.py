@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 Similarity = Literal["ip", "l2"]
+LOW_PRECISION = {"bfloat16": (torch.bfloat16, 2.0 ** -8), "float16": (torch.float16, 2.0 ** -11)}  # unit roundoff u
 EMPTY = torch.iinfo(torch.int64).min  # the key of "no candidate" (below every real key)
 _LOW = (1 << 32) - 1
 BLOCK_ELEMENTS = 1 << 22  # scores held at once per top-k step (16 MiB float32 + 32 MiB keys)
@@ -45,10 +46,15 @@ class SearchSpec:
     chunk: int = 1000
     tile_queries: int = 128
     tile_gallery: int = 4096
+    precision: str = "float32"
 
     def __post_init__(self):
         if self.similarity not in ("ip", "l2"):
             raise ValueError(f"similarity must be 'ip' or 'l2', got {self.similarity!r}")
+        if self.precision not in LOW_PRECISION and self.precision != "float32":
+            raise ValueError(f"precision must be float32, bfloat16 or float16, got {self.precision!r}")
+        if self.precision != "float32" and self.similarity != "ip":
+            raise ValueError("a low-precision candidate pass is implemented for similarity='ip' only")
         for name in ("k", "chunk", "tile_queries", "tile_gallery"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SearchSpec.{name} must be >= 1, got {getattr(self, name)}")
@@ -137,8 +143,9 @@ def local_topk(queries: torch.Tensor, query_positions: torch.Tensor, gallery: Ga
     tg = spec.tile_gallery
     group = max(1, BLOCK_ELEMENTS // (padded.shape[0] * tg))  # gallery tiles scored before one top-k
     q_tiles = padded.split(tq)
-    for g0 in range(0, gallery.num_tiles, group):
-        tiles = [gallery.tile(g) for g in range(g0, min(g0 + group, gallery.num_tiles))]
+    todo = list(range(gallery.num_tiles)) if spec.precision == "float32" else candidate_tiles(padded[rows], gallery)
+    for g0 in range(0, len(todo), group):
+        tiles = [gallery.tile(g) for g in todo[g0:g0 + group]]
         tiles = [t for t in tiles if bool(t[2].any())]
         if not tiles:
             continue
@@ -153,6 +160,53 @@ def local_topk(queries: torch.Tensor, query_positions: torch.Tensor, gallery: Ga
         best = merge_keys([best, _block_topk(scores, torch.cat([t[1] for t in tiles]), torch.cat([t[2] for t in tiles]),
                                              k)], k)
     return best[rows]
+
+
+def rounding_bound(precision: str, dim: int) -> float:
+    """c such that |s_lp - q.g| <= c |q| |g| for a low-precision inner product: q and g rounded to
+    ``precision`` (unit roundoff u: |q'_d - q_d| <= u |q_d|, so |q'.g' - q.g| <= (2u + u^2) sum |q_d g_d| <=
+    (2u + u^2) |q| |g| by Cauchy-Schwarz), the products summed in float32 (error <= gamma_D sum |q'_d g'_d|,
+    gamma_D = D 2^-24 / (1 - D 2^-24); Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5) and the
+    result rounded to ``precision`` (u |result|). Assumes float32 accumulation (oneDNN on CPU; cuBLAS with
+    reduced-precision reductions disabled)."""
+    u = LOW_PRECISION[precision][1]
+    gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
+    inputs = 2 * u + u * u
+    accumulated = inputs + gamma * (1 + u) ** 2
+    return accumulated + u * (1 + accumulated)
+
+
+def candidate_tiles(queries: torch.Tensor, gallery: GalleryTiles) -> list[int]:
+    """The rank's gallery tiles that can hold one of the exact top-k of ``queries`` float32 [m, D], found in
+    ``gallery.spec.precision``: with B_i = c |q_i| max_j |g_j| (``rounding_bound``) and t_i the k-th largest
+    low-precision score of query i, every exact top-k item j has s_lp(i, j) >= t_i - 2 B_i (its exact score is
+    >= the exact k-th score, which is >= t_i - B_i). Tiles where no query reaches its threshold are skipped;
+    the others are re-scored in float32 (same tiles, same bits), so the top-k stays exact. Returns tile
+    indices in increasing order (all tiles when a query has fewer than k items here)."""
+    spec = gallery.spec
+    dtype = LOW_PRECISION[spec.precision][0]
+    k, tg = spec.k, spec.tile_gallery
+    if queries.shape[0] == 0 or gallery.num_tiles == 0:
+        return []
+    q_lp = queries.to(dtype)
+    kth = torch.full((queries.shape[0], k), float("-inf"))
+    row_max = torch.full((queries.shape[0], gallery.num_tiles), float("-inf"))
+    g_max = 0.0
+    for g in range(gallery.num_tiles):
+        g_data, _, present, _ = gallery.tile(g)
+        if not bool(present.any()):
+            continue
+        g_max = max(g_max, float(g_data.norm(dim=1).max()))
+        lp = (q_lp @ g_data.to(dtype).t()).float()
+        if not bool(torch.isfinite(lp).all()):  # out of the format's range: the bound does not hold
+            return list(range(gallery.num_tiles))
+        lp.masked_fill_(~present[None, :], float("-inf"))
+        row_max[:, g] = lp.max(1).values
+        kth = torch.topk(torch.cat([kth, lp], 1), k, dim=1).values
+    margin = 2 * rounding_bound(spec.precision, gallery.dim) * queries.norm(dim=1) * g_max
+    threshold = kth[:, -1] - margin  # -inf where fewer than k items: every tile
+    need = (row_max >= threshold[:, None]).any(0)
+    return torch.nonzero(need).flatten().tolist()
 
 
 def _block_topk(scores: torch.Tensor, positions: torch.Tensor, present: torch.Tensor, k: int) -> torch.Tensor:

@@ -201,7 +201,8 @@ class EmbeddingTask(Task):
     # -- the search phase -----------------------------------------------------------------------------------
     def search_spec(self, k: int) -> SearchSpec:
         opt = self.opt
-        return SearchSpec(k, str(opt.similarity), int(opt.chunk_size), int(opt.tile_queries), int(opt.tile_gallery))
+        return SearchSpec(k, str(opt.similarity), int(opt.chunk_size), int(opt.tile_queries), int(opt.tile_gallery),
+                          str(opt.precision))
 
     def after_loop(self, metric: Any, comm: Any) -> None:
         if not isinstance(metric, EmbeddingMetrics):
