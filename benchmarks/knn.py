@@ -109,7 +109,7 @@ def _allgather_search(comm, shard, queries, n, k, chunk):
 def rank_main(out_dir: str, cases: list[dict]) -> None:
     """One rank: for each case, both methods on this rank's shards; writes OUT/<case>.rank<r>.npz + json."""
     from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
-    from disteval.common.topk import SearchSpec
+    from disteval.common.topk import Rows, SearchSpec
 
     env = RankEnv.from_env()
     init_process_group("gloo", 1800, env)
@@ -130,7 +130,8 @@ def rank_main(out_dir: str, cases: list[dict]) -> None:
             torch.distributed.barrier()
             with PeakRSS() as mem:
                 t = time.perf_counter()
-                _, ids = comm.sharded_topk(shard, torch.arange(g0, g1), queries, torch.arange(q0, q1), case["nq"], spec)
+                _, ids = comm.sharded_topk(Rows(shard, torch.arange(g0, g1)), Rows(queries, torch.arange(q0, q1)),
+                                           case["nq"], spec)
                 secs = time.perf_counter() - t
             row = {"sharded_s": secs, "sharded_mib": mem.mib, "sharded_bytes": comm.bytes}
             base = Communicator()

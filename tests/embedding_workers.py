@@ -14,7 +14,7 @@ from disteval.bootstrap import apply_compute_settings, open_records
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.engine import RankRun
 from disteval.common.ranges import batch_aligned_bounds
-from disteval.common.topk import SearchSpec
+from disteval.common.topk import Rows, SearchSpec
 
 GALLERY_BATCH, QUERY_BATCH = 64, 16
 
@@ -55,7 +55,7 @@ def topk_worker(out_dir: str, data_path: str, cases: dict[str, dict], engine_cas
             comm = Communicator()
             spec = SearchSpec(c["k"], c["similarity"], c["chunk"], c["tile_queries"], c["tile_gallery"])
             qpos = torch.arange(q0, q1).flip(0)  # any order in, the same order out
-            scores, ids = comm.sharded_topk(gallery[g0:g1], torch.arange(g0, g1), queries[qpos], qpos,
+            scores, ids = comm.sharded_topk(Rows(gallery[g0:g1], torch.arange(g0, g1)), Rows(queries[qpos], qpos),
                                             queries.shape[0], spec)
             np.savez(Path(out_dir) / f"{name}.rank{env.rank}.npz", positions=qpos.numpy(), scores=scores.numpy(),
                      ids=ids.numpy(), bytes=np.int64(comm.bytes), collectives=np.int64(comm.collectives))

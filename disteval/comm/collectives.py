@@ -345,11 +345,11 @@ class Communicator:
         dist.all_gather(parts, tensor)
         return [p.cpu() for p in parts]
 
-    def sharded_topk(self, gallery: torch.Tensor, gallery_positions: torch.Tensor, queries: torch.Tensor,
-                     query_positions: torch.Tensor, num_queries: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    def sharded_topk(self, gallery_rows, query_rows, num_queries: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k search over a gallery sharded across the ranks (``disteval.comm.topk.sharded_topk``;
-        ``spec`` a ``disteval.common.topk.SearchSpec``): this rank's queries' (scores, gallery positions)."""
-        return _topk.sharded_topk(self, gallery, gallery_positions, queries, query_positions, num_queries, spec)
+        rows are ``disteval.common.topk.Rows``, ``spec`` a ``SearchSpec``): this rank's queries' (scores,
+        gallery positions)."""
+        return _topk.sharded_topk(self, gallery_rows, query_rows, num_queries, spec)
 
     def set_timeout(self, seconds: float) -> None:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),

@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from disteval.common.topk import GalleryTiles, SearchSpec, decode_keys, local_topk, merge_keys
+from disteval.common.topk import GalleryTiles, Rows, SearchSpec, decode_keys, local_topk, merge_keys
 
 
-def sharded_topk(comm: Any, gallery: torch.Tensor, gallery_positions: torch.Tensor, queries: torch.Tensor,
-                 query_positions: torch.Tensor, num_queries: int, spec: SearchSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def sharded_topk(comm: Any, gallery_rows: Rows, query_rows: Rows, num_queries: int,
+                 spec: SearchSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k over a gallery sharded across the ranks of ``comm`` (a ``Communicator``).
 
     Args:
-        gallery: float32 [n_g, D] this rank's gallery rows; gallery_positions: int64 [n_g] their global
-            gallery positions (distinct across ranks).
-        queries: float32 [n_q, D] this rank's queries; query_positions: int64 [n_q] their global query
-            positions in [0, num_queries) (each position on exactly one rank).
+        gallery_rows: this rank's gallery rows (float32 [n_g, D]) and their global gallery positions (int64
+            [n_g], distinct across ranks).
+        query_rows: this rank's queries (float32 [n_q, D]) and their global query positions in
+            [0, num_queries) (int64 [n_q]; each position on exactly one rank).
         num_queries: the global number of queries (equal on every rank). spec: k, similarity, chunk, tiles.
 
     Returns (scores float32 [n_q, k], gallery positions int64 [n_q, k]) for this rank's queries in the order
@@ -40,6 +40,8 @@ def sharded_topk(comm: Any, gallery: torch.Tensor, gallery_positions: torch.Tens
     ``disteval.common.topk.exact_search`` on the whole data for any world size and chunk.
     Raises ValueError (on every rank: all see the same counts) when a chunk's query positions are not
     covered exactly once, or k exceeds the gallery size."""
+    gallery, gallery_positions = gallery_rows.embeddings, gallery_rows.positions
+    queries, query_positions = query_rows.embeddings, query_rows.positions
     dim = int(queries.shape[1]) if queries.ndim == 2 and queries.shape[0] else int(gallery.shape[1]) if gallery.ndim == 2 else 0
     n_chunks = -(-int(num_queries) // spec.chunk)
     qpos = query_positions.to(torch.int64)

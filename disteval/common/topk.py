@@ -90,6 +90,15 @@ def merge_keys(parts: list[torch.Tensor] | torch.Tensor, k: int) -> torch.Tensor
     return torch.topk(keys, k, dim=1, largest=True, sorted=True).values
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A rank's rows of a set (gallery or queries): ``embeddings`` float32 [n, D] and their global
+    ``positions`` int64 [n] in the set."""
+
+    embeddings: torch.Tensor
+    positions: torch.Tensor
+
+
 class GalleryTiles:
     """A rank's gallery rows laid out in global tiles: tile t holds positions [t*T, (t+1)*T) (T =
     ``spec.tile_gallery``), absent positions zero and masked. ``embeddings`` float32 [n, D], ``positions``
@@ -211,15 +220,18 @@ def candidate_tiles(queries: torch.Tensor, gallery: GalleryTiles) -> list[int]:
 
 def _block_topk(scores: torch.Tensor, positions: torch.Tensor, present: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k keys of each row of a score block (float32 [R, C], columns at gallery ``positions`` [C], absent
-    columns ``~present``): a float top-k finds the k-th score; where no other column ties with it, the k
+    columns ``~present``): a float top-(k+1) finds the k-th score; where the (k+1)-th differs from it, the k
     columns found are exactly the top-k set (only their keys are built); rows with a tie at the k-th score
     get keys for the whole row. Returns int64 [R, min(k, C)] (``EMPTY`` for absent columns)."""
-    scores.masked_fill_(~present[None, :], float("-inf"))
+    if not bool(present.all()):
+        scores.masked_fill_(~present[None, :], float("-inf"))
     kk = min(k, scores.shape[1])
-    vals, idx = torch.topk(scores, kk, dim=1)
+    vals, idx = torch.topk(scores, min(kk + 1, scores.shape[1]), dim=1)
+    # a tie at the k-th score: the (k+1)-th largest score equals the k-th
+    tied = torch.nonzero(vals[:, kk] == vals[:, kk - 1]).flatten() if vals.shape[1] > kk else vals.new_zeros(0, dtype=torch.int64)
+    vals, idx = vals[:, :kk], idx[:, :kk]
     keys = score_keys(vals, positions[idx])
     keys.masked_fill_(vals == float("-inf"), EMPTY)
-    tied = torch.nonzero((scores >= vals[:, -1:]).sum(1) > kk).flatten()
     if tied.numel():
         full = score_keys(scores[tied], positions[None, :]).masked_fill_(~present[None, :], EMPTY)
         keys[tied] = torch.topk(full, kk, dim=1).values

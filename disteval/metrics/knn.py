@@ -31,14 +31,17 @@ def knn_class_ranking(scores: torch.Tensor, labels: torch.Tensor, num_classes: i
     return torch.sort(votes, dim=1, descending=True, stable=True).indices
 
 
+TOPK = (1, 5)
+
+
 def knn_hits(scores: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor, num_classes: int, ks: list[int],
-             temperature: float | None, topk: tuple[int, ...] = (1, 5)) -> torch.Tensor:
-    """int64 [len(ks), len(topk)]: queries whose ``targets`` class is among the first ``t`` classes of the
-    ``k``-neighbour vote (``knn_class_ranking``), for each k of ``ks`` and t of ``topk``."""
-    out = torch.zeros((len(ks), len(topk)), dtype=torch.int64)
+             temperature: float | None) -> torch.Tensor:
+    """int64 [len(ks), 2]: queries whose ``targets`` class is among the first t classes of the k-neighbour vote
+    (``knn_class_ranking``), for each k of ``ks`` and t in ``TOPK`` (top-1, top-5)."""
+    out = torch.zeros((len(ks), len(TOPK)), dtype=torch.int64)
     for i, k in enumerate(ks):
         ranking = knn_class_ranking(scores, labels, num_classes, k, temperature)
-        for j, t in enumerate(topk):
+        for j, t in enumerate(TOPK):
             out[i, j] = (ranking[:, :t] == targets[:, None]).any(1).sum()
     return out
 
@@ -175,7 +178,7 @@ class EmbeddingMetrics(Metric):
             n = int(s["queries"][spec.searches.index("knn")])
             for v, vote in enumerate(spec.votes):
                 for j, k in enumerate(spec.knn_k):
-                    for t, top in enumerate((1, 5)):
+                    for t, top in enumerate(TOPK):
                         out[f"knn_{vote}_k{k}_top{top}"] = int(s["knn_hits"][v, j, t]) / n if n else None
             if spec.map_at_r:
                 ap = s["ap_at_r"]

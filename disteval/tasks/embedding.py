@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
 from disteval.common.formatting import fmt
-from disteval.common.topk import SearchSpec
+from disteval.common.topk import Rows, SearchSpec
 from disteval.data.datasets import IndexedDataset, build_dataset, check_data_root
 from disteval.data.pairs import COLOURS, ImageTextPairs, MixedBatch, collate_mixed
 from disteval.errors import ConfigError
@@ -218,7 +218,7 @@ class EmbeddingTask(Task):
         (glo, ghi), (qlo, qhi) = self.parts[gallery], self.parts[query]
         g_emb, g_pos, _ = metric.rows(glo, ghi)
         q_emb, q_pos, q_lab = metric.rows(qlo, qhi)
-        scores, nbr = comm.sharded_topk(g_emb, g_pos, q_emb, q_pos, qhi - qlo, self.search_spec(k))
+        scores, nbr = comm.sharded_topk(Rows(g_emb, g_pos), Rows(q_emb, q_pos), qhi - qlo, self.search_spec(k))
         return scores, nbr, q_lab, self.labels[glo:ghi]
 
     def _knn(self, metric: EmbeddingMetrics, comm: Any) -> None:
