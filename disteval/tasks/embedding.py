@@ -246,6 +246,7 @@ class EmbeddingTask(Task):
 
     def console_section(self, metrics: dict):
         rows = [(k.replace("_", " "), fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None]
-        notes = [f"exact sharded top-k: gallery {hi - lo} items kept sharded; this rank's search sent "
-                 f"{self.search_bytes} bytes" for name, (lo, hi) in self.parts.items() if name == "gallery"]
+        notes = [] if self.protocol == "zero_shot" else [
+            f"exact sharded top-k ({self.opt.similarity}, chunk {self.opt.chunk_size}, {self.opt.precision}): "
+            f"galleries stayed sharded; rank 0's searches sent {self.search_bytes:,} bytes"]
         return rows, [], notes
