@@ -4,6 +4,7 @@ errors, and an open_clip model built with random weights while the network is re
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,18 @@ def test_low_precision_candidates_with_float32_rerank_equal_float32(precision):
     # the bound holds on these data: |s_lp - s| <= c |q| |g|
     lp = (queries.to(getattr(torch, precision)) @ gallery.to(getattr(torch, precision)).t()).float()
     assert float((lp - queries @ gallery.t()).abs().max()) <= rounding_bound(precision, 48)
+
+
+@pytest.mark.parametrize("name,protocol", [("fashion_mnist_knn", "knn"), ("pairs_retrieval", "retrieval")])
+def test_embedding_experiments_compose(name, protocol):
+    from hydra import compose, initialize_config_dir
+
+    from disteval.config import register_schemas, validated
+
+    register_schemas()
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={name}"])
+    validated(cfg)
+    assert cfg.eval.task == "embedding" and cfg.eval.embedding.protocol == protocol
+    assert resolve_task(cfg).name == "embedding"
