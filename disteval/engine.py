@@ -180,9 +180,20 @@ class RankRun:
             self.faults.on_sync()
             if self.watch:
                 self.watch.wait_all_in_sync()
+            self._after_loop(ev)
             out = self._synchronise(ev, progress)
             display.finish()
         return out
+
+    def _after_loop(self, ev: Evaluator) -> None:
+        """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as
+        the collective phase this rank is in (the watchdog and the doctor read it)."""
+        ctx = self.ctx
+        ctx.status.update(in_collective={"op": "task_after_loop", "since": time.time()}, force=True)
+        try:
+            self.task.after_loop(ev.metric, ctx.comm)
+        finally:
+            ctx.status.update(in_collective=None)
 
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,

@@ -10,7 +10,7 @@ One synchronisation per run (per trial), whatever the number of batches:
 3. one all_gather of the padded int64 payload: this rank's per-rank row (named fields, JSON bytes), its
    sample-id runs and its float tree nodes (bit-cast, no pickle).
 
-By payload kind (``SyncPolicy``): each gather-state adds one metadata all_gather and one variable-size gather
+States declared ``local`` (a rank's embedding shard) are never moved. By payload kind (``SyncPolicy``): each gather-state adds one metadata all_gather and one variable-size gather
 (to rank 0 only for states declared ``root``) compressed as the policy says; each sliceable sum-state above
 ``reduce_scatter_min_bytes`` leaves the all_reduce for two reduce_scatters and one all_gather.
 """

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from disteval.comm import compression as cz
+from disteval.comm import topk as _topk
 from disteval.common.ranges import shard_bounds
 
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
@@ -349,6 +350,12 @@ class Communicator:
         self._count(op, tensor)
         dist.all_gather(parts, tensor, group=self.group)
         return [p.cpu() for p in parts]
+
+    def sharded_topk(self, gallery_rows, query_rows, num_queries: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-k search over a gallery sharded across the ranks (``disteval.comm.topk.sharded_topk``;
+        rows are ``disteval.common.topk.Rows``, ``spec`` a ``SearchSpec``): this rank's queries' (scores,
+        gallery positions)."""
+        return _topk.sharded_topk(self, gallery_rows, query_rows, num_queries, spec)
 
     def set_timeout(self, seconds: float) -> None:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),

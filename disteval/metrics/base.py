@@ -3,7 +3,9 @@
 A metric accumulates *states* locally; ``add_state`` declares each one, in one place, with its reduction:
 
 - ``"sum"``: element-wise sum across ranks (one coalesced all_reduce per dtype in the comm layer);
-- ``"gather"``: variable-size records concatenated across ranks along dim 0.
+- ``"gather"``: variable-size records concatenated across ranks along dim 0;
+- ``"local"``: rank-local records (e.g. a rank's embedding shard) that synchronisation never moves; they
+  are kept in snapshots and checkpoints, and ``merge_state`` concatenates them like gather-states.
 
 ``load_synced(states)`` replaces the local states by the synchronised ones; ``compute()`` turns states into
 metric values. Integer counts are int64 and float sums float64, declared once per state.
@@ -24,7 +26,7 @@ from typing import Any, ClassVar, Iterable, Literal
 
 import torch
 
-Reduction = Literal["sum", "gather"]
+Reduction = Literal["sum", "gather", "local"]
 
 
 @dataclass(frozen=True)

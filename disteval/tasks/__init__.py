@@ -1,10 +1,11 @@
-"""TASKS: one module per task family (classification, detection + replay, segmentation + replay). A Task turns the config into a
+"""TASKS: one module per task family (classification, detection + replay, segmentation + replay, embedding). A Task turns the config into a
 dataset, a model or prediction source, a metric, a per-batch step and a console section; the engine knows
 no task by name (``disteval.tasks.base``)."""
 from disteval.tasks.base import Task, register_task, registered_tasks, resolve_task
 from disteval.tasks.classification import ClassificationTask
 from disteval.tasks.detection import CocoDetectionTask, CocoReplayTask
 from disteval.tasks.segmentation import SegmentationReplayTask, SegmentationTask
+from disteval.tasks.embedding import EmbeddingTask
 
 __all__ = ["Task", "register_task", "registered_tasks", "resolve_task", "ClassificationTask", "CocoDetectionTask",
-           "CocoReplayTask", "SegmentationTask", "SegmentationReplayTask"]
+           "CocoReplayTask", "SegmentationTask", "SegmentationReplayTask", "EmbeddingTask"]

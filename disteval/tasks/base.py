@@ -70,6 +70,14 @@ class Task(abc.ABC):
         ``device``, as float32."""
         return model(inputs.to(device, non_blocking=True)).float()
 
+    def after_loop(self, metric: Metric, comm: Any) -> None:
+        """Called by the engine in every rank after its loop and before the synchronisation, with this rank's
+        metric (local states) and the run's ``Communicator`` (``disteval.comm``): a task whose metric needs
+        collectives between the ranks' shards before it can be summed (an exact top-k search over a sharded
+        gallery, ``EmbeddingTask``) issues them here and leaves sum/gather-states for the synchronisation.
+        Every collective runs under the communication timeout and is counted in results.json ``comm``; ranks
+        must issue the same collectives in the same order (ranks without samples too). Default: nothing."""
+
     def describe(self) -> dict:
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}
