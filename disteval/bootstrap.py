@@ -128,5 +128,6 @@ def apply_compute_settings(ctx: RankContext) -> dict:
                    "compile": bool(cfg.eval.get("compile", False)),
                    "compile_mode": str(cfg.eval.get("compile_mode", "default")) if cfg.eval.get("compile") else None,
                    "compile_backend": str(cfg.eval.get("compile_backend", "inductor")) if cfg.eval.get("compile") else None,
-                   "inference_mode": True}
+                   "inference_mode": True,
+                   "decode_on_device": bool(cfg.data.get("decode_on_device", False))}
     return ctx.compute

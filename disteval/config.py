@@ -136,6 +136,9 @@ class DataConfig:
     num_classes (the label count, when ``model.num_classes`` does not say).
     prefetch_factor: batches each loader worker prepares ahead (with num_workers > 0; torch's default is 2).
     persistent_workers: keep loader workers alive between the trials of ``eval.trials`` (with num_workers > 0).
+    decode_on_device: imagefolder JPEGs: the loader reads bytes only and the step decodes and transforms each
+    batch on the model's device (``torchvision.io.decode_jpeg``, nvJPEG on CUDA; off by default: its pixels
+    are close to, not equal to, the host path's).
     """
 
     name: str = "digits"
@@ -161,11 +164,15 @@ class DataConfig:
     num_classes: Optional[int] = None
     prefetch_factor: int = 4
     persistent_workers: bool = True
+    decode_on_device: bool = False
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``data.*`` key."""
         _at_least("data.batch_size", self.batch_size, 1)
         _at_least("data.prefetch_factor", self.prefetch_factor, 1)
+        if self.decode_on_device and self.name != "imagefolder":
+            raise ConfigError("data.decode_on_device", f"decodes imagefolder JPEGs on the device; data.name="
+                              f"{self.name!r} has no encoded images to decode there")
         _at_least("data.limit", self.limit, 1, nullable=True)
         _at_least("data.num_workers", self.num_workers, 0)
         if self.sampler not in SAMPLERS:

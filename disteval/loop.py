@@ -319,7 +319,10 @@ def _batch_to(batch: Any, device: torch.device) -> Any:
 
 
 def _tree_to(obj: Any, device: torch.device) -> Any:
-    """Tensors in nested lists/tuples/dicts copied to ``device`` (non-blocking)."""
+    """Tensors in nested lists/tuples/dicts copied to ``device`` (non-blocking); an object that says
+    ``stays_on_host`` (encoded images that the step decodes on the device) is left as it is."""
+    if getattr(obj, "stays_on_host", False):
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple

@@ -32,6 +32,15 @@ for model in resnet50 vit_b_16; do
   tail -4 "$OUT/throughput_$model.txt"
 done
 
+echo "== JPEG decoding on the host vs on the GPU (resnet50, bf16, 4 loader workers)"
+for dec in false true; do
+  timeout 150 python -m disteval hydra.run.dir="$OUT/decode_$dec" +experiment=imagenet_vit model.name=resnet50 \
+      model.weights=null data.root="$VAL" data.batch_size=256 data.num_workers=4 precision=bf16 \
+      dist.world_size=1 eval.progress=false data.decode_on_device=$dec > "$OUT/decode_$dec.txt" 2>&1 || status=1
+  python -c "import json,sys; r=json.load(open(sys.argv[1])); print('decode_on_device=$dec', r['throughput'])" \
+      "$OUT/decode_$dec/results.json" 2>/dev/null | tee -a "$OUT/decode.txt"
+done
+
 python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -51,7 +60,8 @@ for f in sorted(out.glob("throughput_*.txt")):
         for m, r in methods.items():
             table.add_row(s["config"]["model"], w, m, f"{r['images_per_s']:,.0f}", f"{r['x_bare']:.3f}x")
 tests = (out / "tests.txt").read_text().strip().splitlines()
-table.caption = "tests: " + (tests[-1] if tests else "no output")
+decode = (out / "decode.txt").read_text().strip() if (out / "decode.txt").exists() else "decode: no output"
+table.caption = "tests: " + (tests[-1] if tests else "no output") + "\n" + decode
 Console(width=120).print(table)
 PY
 exit $status

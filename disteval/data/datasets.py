@@ -7,7 +7,9 @@
   with torchvision's downloader (``prepare_data``).
   Inputs float32 [1, 28, 28] in [0, 1].
 - ``imagefolder``: torchvision ImageFolder at ``data.root`` with the ImageNet eval transform
-  (resize short side to ``resize_size``, bilinear, antialias; center crop ``crop_size``; normalise).
+  (resize short side to ``resize_size``, bilinear, antialias; center crop ``crop_size``; normalise); with
+  ``data.decode_on_device=true`` the items are the files' bytes and the step decodes them on the model's
+  device (``disteval.data.device_decode``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from disteval.data.device_decode import EncodedImageFolder
 from disteval.errors import ConfigError, DataError
 
 DATASETS = ("digits", "fashion_mnist", "imagefolder", "webdataset")
@@ -272,6 +275,9 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
         base, num_classes = _digits(data.split), 10
     elif data.name == "fashion_mnist":
         base, num_classes = _fashion_mnist(data.root, data.split), 10
+    elif data.get("decode_on_device", False):  # bytes only: the step decodes on the model's device
+        base = EncodedImageFolder(data.root)
+        num_classes = len(base.classes)
     else:
         from torchvision.datasets import ImageFolder
 

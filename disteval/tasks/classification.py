@@ -8,6 +8,7 @@ import torch
 
 from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape,
                                     prepare_data)
+from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
 from disteval.models import build_model, preflight_model, resolve_num_classes
@@ -30,6 +31,9 @@ class ClassificationTask(Task):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self._num_classes: int | None = None
+        data = cfg.data
+        self._decoder = (DeviceDecoder(data.resize_size, data.crop_size, data.mean, data.std)
+                         if data.get("decode_on_device", False) else None)
 
     @property
     def num_classes(self) -> int:
@@ -65,6 +69,17 @@ class ClassificationTask(Task):
 
     def model(self, device: torch.device) -> torch.nn.Module:
         return build_model(self.cfg.model, self.num_classes, seed=self.cfg.seed).to(device)
+
+    def collate_fn(self):
+        """Encoded-image batches with ``data.decode_on_device``; torch's default otherwise."""
+        return collate_encoded if self._decoder is not None else None
+
+    def step(self, model: torch.nn.Module, inputs: Any, device: torch.device) -> torch.Tensor:
+        """``model(inputs)`` on ``device`` as float32; an ``EncodedImages`` batch (``data.decode_on_device``)
+        is decoded and transformed on ``device`` first (``DeviceDecoder``)."""
+        if isinstance(inputs, EncodedImages):
+            inputs = self._decoder(inputs, device)
+        return model(inputs.to(device, non_blocking=True)).float()
 
     def metric(self) -> MetricCollection:
         families = {"classification": lambda: ClassificationMetrics(self.num_classes, topk=list(self.cfg.eval.topk),
