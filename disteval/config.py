@@ -139,6 +139,9 @@ class DataConfig:
     decode_on_device: imagefolder JPEGs: the loader reads bytes only and the step decodes and transforms each
     batch on the model's device (``torchvision.io.decode_jpeg``, nvJPEG on CUDA; off by default: its pixels
     are close to, not equal to, the host path's).
+    loader_timeout_s: seconds a loader worker may take to deliver one batch (with num_workers > 0; null: wait
+    forever): past it the rank fails with a DataError instead of waiting on a stuck worker (a worker whose
+    batch cannot be sent never delivers it, and the rank's heartbeat would go on).
     """
 
     name: str = "digits"
@@ -165,11 +168,14 @@ class DataConfig:
     prefetch_factor: int = 4
     persistent_workers: bool = True
     decode_on_device: bool = False
+    loader_timeout_s: Optional[float] = 600.0
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``data.*`` key."""
         _at_least("data.batch_size", self.batch_size, 1)
         _at_least("data.prefetch_factor", self.prefetch_factor, 1)
+        if self.loader_timeout_s is not None:
+            _finite_positive("data.loader_timeout_s", self.loader_timeout_s)
         if self.decode_on_device and self.name != "imagefolder":
             raise ConfigError("data.decode_on_device", f"decodes imagefolder JPEGs on the device; data.name="
                               f"{self.name!r} has no encoded images to decode there")

@@ -116,6 +116,7 @@ class RankRun:
                          device=self.ctx.device, prefetch_factor=int(cfg.data.get("prefetch_factor", 4)),
                          persistent_workers=bool(cfg.data.get("persistent_workers", True)) and int(cfg.eval.trials) > 1,
                          warmup=bool(cfg.eval.get("compile", False)),
+                         loader_timeout_s=cfg.data.get("loader_timeout_s", 600.0),
                          skipped=list(self.skipped_before) if skip else [], dummy_steps=self.dummy_steps,
                          dummy_inputs=first_inputs(self.dataset, collate) if self.dummy_steps else None)
 

@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 from disteval.data.sharding import build_sampler, sampler_span
 from disteval.data.streaming import StreamSource
 from disteval.data.wds_stream import StreamBatch
-from disteval.errors import DistevalError
+from disteval.errors import DataError, DistevalError
 from disteval.metrics.evaluator import Evaluator
 
 
@@ -33,7 +33,8 @@ class ShardSpec:
     a resume (from the checkpoint), carried into ``LoopProgress.skipped``. device: the model's device; on CUDA
     the next batch's inputs (and tensor targets) are copied there on a side stream while the current batch
     computes (``DeviceFeed``). prefetch_factor, persistent_workers: the DataLoader's (with workers; persistent
-    loaders are kept for the next trial, ``eval.trials``). warmup: time the first batch apart
+    loaders are kept for the next trial, ``eval.trials``). loader_timeout_s: the longest wait for one batch from
+    the loader workers (null: forever), then a DataError. warmup: time the first batch apart
     (``LoopProgress.seconds_warmup``: compilation with ``eval.compile``).
     dummy_steps: forwards to run after
     the shard, outputs discarded (a model sharded across data-parallel ranks needs every rank in each forward;
@@ -54,6 +55,7 @@ class ShardSpec:
     prefetch_factor: int = 4
     persistent_workers: bool = False
     warmup: bool = False
+    loader_timeout_s: float | None = None
     dummy_steps: int = 0
     dummy_inputs: Callable[[], Any] | None = None
 
@@ -125,6 +127,7 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
     loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
                         pin_memory=spec.pin_memory, persistent_workers=persistent,
                         prefetch_factor=spec.prefetch_factor if workers else None,
+                        timeout=(spec.loader_timeout_s or 0) if workers else 0,
                         multiprocessing_context=context, collate_fn=spec.collate_fn)
     if persistent:
         _PERSISTENT[key] = (dataset, loader, sampler)
@@ -184,6 +187,12 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
         ok = True
     except DistevalError as exc:
         raise _unwrap_worker_error(exc) from exc
+    except RuntimeError as exc:
+        if "DataLoader timed out" not in str(exc):
+            raise
+        raise DataError(f"no batch from the loader workers after global batch {progress.first_batch + progress.batches - 1}"
+                        f" within data.loader_timeout_s ({exc}): a worker is stuck or could not send its batch "
+                        "(see the rank's log for the worker's traceback)") from exc
     finally:
         _stop_workers(loader.batches if isinstance(loader, DeviceFeed) else batches, keep_persistent=ok)
     progress.seconds_forward = time.perf_counter() - t0
@@ -242,7 +251,8 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
                         multiprocessing_context=context,
-                        prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None)
+                        prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
+                        timeout=(spec.loader_timeout_s or 0) if spec.num_workers > 0 else 0)
     first = (start + spec.skip) // spec.batch_size if spec.aligned else start
     return loader, LoopProgress(start, end, first, planned=end - start, samples=spec.skip,
                                 skipped=list(spec.skipped))

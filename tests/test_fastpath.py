@@ -155,3 +155,28 @@ def test_decode_on_device_run_equals_host_decoding_at_every_world_size(cli, tmp_
 def test_decode_on_device_is_refused_for_data_without_encoded_images(cli):
     proc, run_dir = cli("data.decode_on_device=true")
     assert proc.returncode == 2 and "data.decode_on_device" in proc.stderr
+
+
+class _Stuck(_Items):
+    """Item 4 never arrives in time (a worker stuck on a file, or one whose batch cannot be sent)."""
+
+    def __getitem__(self, i):
+        if i == 4:
+            import time
+
+            time.sleep(30)
+        return super().__getitem__(i)
+
+
+def test_a_stuck_loader_worker_fails_the_rank_instead_of_hanging():
+    from disteval.errors import DataError
+    from disteval.loop import evaluate_shard
+    from disteval.metrics.classification import ClassificationMetrics
+    from disteval.metrics.evaluator import Evaluator
+
+    ds = _Stuck(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long))
+    spec = ShardSpec(rank=0, world_size=1, batch_size=2, num_workers=1, loader_timeout_s=1.0)
+    model = torch.nn.Identity()
+    with pytest.raises(DataError, match=r"no batch from the loader workers after global batch 1 within "
+                                        r"data.loader_timeout_s"):
+        evaluate_shard(model, ds, Evaluator(ClassificationMetrics(3, topk=(1,))), spec)
