@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from bitwise_workers import engine_cases_worker, job, load_metrics
 from disteval.errors import ConfigError, DataError
-from disteval.metrics.segmentation import SegmentationMetrics
+from disteval.metrics.segmentation import SegmentationMetrics, code_dtype, first_argmax
 from disteval.tasks.segmentation import SegmentationReplayTask
 from launchers.local import launch
 from seg_reference import (COCO_GT, COCO_SEGM, IGNORE, coco_maps, metrics_from_confusion, numpy_confusion,
@@ -163,6 +163,41 @@ def test_int64_cell_beyond_2_24_where_float32_rounds():
     assert n == 2 ** 24 + 7 and m.states()["confusion"][0][1, 1].item() == n
     codes = torch.cat([torch.full((h * w,), 1 * 3 + 1, dtype=torch.float32) for h, w in BIG])
     assert torch.histc(codes, bins=9, min=0, max=8)[4].item() == 16_777_224 != n
+
+
+@pytest.mark.parametrize("c", [1, 2, 21, 255, 256, 300])
+def test_first_argmax_is_torch_argmax_with_ties_zeros_and_nan(c):
+    """``first_argmax`` == ``torch.argmax(0)`` (== numpy's) on rounded logits full of ties, +0.0 against -0.0 at
+    the max, and NaN pixels counted; dtypes uint8 (C < 256) and int16."""
+    g = torch.Generator().manual_seed(c)
+    x = torch.randint(-2, 3, (c, 23, 17), generator=g).float()  # five values: ties everywhere
+    x[:, 0, :] = 0.0
+    x[::2, 0, :] = -0.0  # signed zeros tie at the max of row 0
+    x[-1, 1, 2] = float("nan")
+    x[0, 2, 3] = float("nan")
+    pred, nan = first_argmax(x, torch.empty(x.shape, dtype=torch.bool))
+    assert pred.dtype == (torch.uint8 if c < 256 else torch.int16) and int(nan) == 2
+    keep = ~torch.isnan(x).any(0)
+    want = torch.from_numpy(np.argmax(x.numpy(), 0))
+    assert torch.equal(pred.long()[keep], want[keep]) and torch.equal(pred.long()[keep], x.argmax(0)[keep])
+
+
+def test_codes_in_narrow_dtypes_count_as_int64():
+    """Codes label * C + pred are built in int16 / int32 when they fit (``code_dtype``); counts equal numpy's on
+    int64 labels with ignore and a C whose codes need int32 ((C + 2) * C > 2^15)."""
+    assert [code_dtype(n) for n in (1 << 15, (1 << 15) + 1, 1 << 31, (1 << 31) + 1)] == [
+        torch.int16, torch.int32, torch.int32, torch.int64]
+    for c, dtype in ((7, torch.uint8), (7, torch.int64), (200, torch.int64), (200, torch.uint8)):
+        g = torch.Generator().manual_seed(c)
+        lab = torch.randint(0, c, (31, 29), generator=g)
+        lab[torch.rand(lab.shape, generator=g) < 0.1] = 255
+        pred = torch.randint(0, c, (31, 29), generator=g)
+        m = SegmentationMetrics(c)
+        m.update([pred], [lab.to(dtype)], torch.tensor([0]))
+        keep = lab != 255
+        want = np.zeros((c, c), np.int64)
+        np.add.at(want, (lab[keep].numpy(), pred[keep].numpy()), 1)
+        assert np.array_equal(m.states()["confusion"][0].numpy(), want)
 
 
 def test_bad_input_names_the_sample():

@@ -50,12 +50,22 @@ ABSENT_RULE = ("classes absent from both labels and predictions are null and exc
                "(accuracy: classes without label pixels)")
 
 
+def code_dtype(size: int) -> torch.dtype:
+    """The narrowest signed integer dtype holding every code in [0, ``size``): int16, int32 or int64. Building
+    the codes of a 512 x 512 map in int16 instead of int64 moves a quarter of the bytes (0.2 ms against 3 ms per
+    image on one CPU thread)."""
+    if size <= 1 << 15:
+        return torch.int16
+    return torch.int32 if size <= 1 << 31 else torch.int64
+
+
 def count_codes(codes: torch.Tensor, size: int) -> torch.Tensor:
-    """int64 [size]: how often each value of ``codes`` (int64 [P], every value in [0, size)) occurs, on the
-    codes' device. CPU: ``torch.bincount``; CUDA: ``scatter_add_`` of ones into zeros (integer atomics are exact
-    and order-independent; CUDA bincount would synchronise with the host to read the maximum)."""
+    """int64 [size]: how often each value of ``codes`` (any integer dtype, [P], every value in [0, size)) occurs,
+    on the codes' device. CPU: ``torch.bincount``; CUDA: ``scatter_add_`` of ones into zeros (integer atomics are
+    exact and order-independent; CUDA bincount would synchronise with the host to read the maximum)."""
     if codes.device.type == "cpu":
         return torch.bincount(codes, minlength=size)
+    codes = codes.long()
     out = torch.zeros(size, dtype=torch.int64, device=codes.device)
     return out.scatter_add_(0, codes, torch.ones_like(codes))
 
@@ -66,20 +76,21 @@ def first_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> tuple
     logits hold a NaN (0-d int64; their class is C - 1).
 
     Computed as the max over classes (``amax``, a vectorised reduction over the outer dimension), then the
-    first class equal to it (``amax`` of (logits == max) * (C - k)): measured 4x faster than ``argmax(0)`` /
-    ``max(0).indices`` on one CPU thread at 21 x 512 x 512 (about 10 ms against 45 ms; their index-tracking
-    reduction over the outer dimension is not vectorised). ``out``: an optional bool buffer of ``logits``' shape,
-    reused across images to avoid fresh pages."""
+    first class reaching it (``amax`` of (logits >= max) * (C - k); ``>=`` equals ``==`` against the max, NaN
+    and signed zeros included, and its CPU kernel is about 1 ms faster per image than ``==``'s): measured 8x
+    faster than ``argmax(0)`` / ``max(0).indices`` on one CPU thread at 21 x 512 x 512 (about 6 ms against
+    45-60 ms; their index-tracking reduction over the outer dimension is not vectorised). ``out``: an optional
+    bool buffer of ``logits``' shape, reused across images to avoid fresh pages."""
     c = logits.shape[0]
     if c >= 32768:
         return logits.argmax(0), torch.isnan(logits).any(0).sum()
     m = logits.amax(0)
-    eq = torch.eq(logits, m.expand_as(logits), out=out) if out is not None else torch.eq(logits, m)
+    eq = torch.ge(logits, m.expand_as(logits), out=out) if out is not None else torch.ge(logits, m)
     dtype = torch.uint8 if c < 256 else torch.int16
     weights = torch.arange(c, 0, -1, dtype=dtype, device=logits.device).view(c, 1, 1)
     key = eq.view(torch.uint8).mul_(weights) if dtype == torch.uint8 else eq.to(dtype).mul_(weights)
     best = key.amax(0)  # C - k of the first maximum; 0 where nothing equals the max (a NaN)
-    nan = (best == 0).sum()
+    nan = torch.count_nonzero(best == 0)
     return torch.sub(c, best.clamp_(min=1)), nan
 
 
@@ -190,7 +201,9 @@ class SegmentationMetrics(Metric):
                                 "expected an integer map [H, W]")
             pred, bad_pred = self._prediction(out, label, sid)
             rows, num_rows, ignore_row = self._rows(label)
-            codes = rows.reshape(-1).to(torch.int64).mul_(c).add_(pred.reshape(-1))  # label * C + pred
+            dtype = code_dtype(num_rows * c)
+            flat = pred.reshape(-1)
+            codes = rows.reshape(-1).to(dtype).mul_(c).add_(flat if flat.dtype == torch.uint8 else flat.to(dtype))
             counts = count_codes(codes, num_rows * c)
             cm = counts[:c * c].reshape(c, c)
             outside = counts[c * c:].sum()
