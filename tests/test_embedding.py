@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bitwise_workers import job
+from disteval.common import topk
 from disteval.common.topk import EMPTY, SearchSpec, decode_keys, exact_search, merge_keys, score_keys
 from disteval.errors import ConfigError
 from disteval.metrics.knn import (EmbeddingMetrics, EmbeddingSpec, average_precision_at_r, first_hit_rank,
@@ -41,6 +42,32 @@ def test_merge_of_any_split_equals_the_whole():
         assert torch.equal(merge_keys(parts, 9), whole)
     want = np.stack([np.lexsort((np.arange(60), -row))[:9] for row in scores.numpy()])
     assert np.array_equal(decode_keys(whole)[1].numpy(), want)
+
+
+@pytest.mark.parametrize("k,tile,run", [(1, 64, True), (5, 128, True), (20, 192, True), (7, 100, False)])
+def test_pruned_search_equals_a_top_k_over_every_pair(k, tile, run, monkeypatch):
+    """``exact_search`` (threshold pruning of ``_merge_block``, or its fallback when the tile is not a multiple
+    of the pruning run) == a top-k over the keys of every (query, item) pair, numpy's lexsort order: small
+    integer embeddings make every score exact whatever the GEMM, with ties everywhere, zero items and a query
+    count that leaves padding rows in the last query tile (non-finite embeddings never reach a search:
+    ``EmbeddingMetrics`` refuses them)."""
+    g = torch.Generator().manual_seed(k)
+    gallery = torch.randint(-2, 3, (1000, 6), generator=g).float()
+    queries = torch.randint(-2, 3, (45, 6), generator=g).float()
+    gallery[400:410] = 0.0
+    spec = SearchSpec(k=k, chunk=17, tile_queries=8, tile_gallery=tile)
+    monkeypatch.setattr(topk, "BLOCK_ELEMENTS", 1)  # one gallery tile per block: the pruning sees many blocks
+    dense_blocks = []
+    monkeypatch.setattr(topk, "_block_topk", lambda *a, f=topk._block_topk: dense_blocks.append(1) or f(*a))
+    scores, ids = exact_search(queries, gallery, spec)
+    blocks = -(-45 // 17) * -(-1000 // tile)
+    assert len(dense_blocks) < blocks / 2 if run else len(dense_blocks) == blocks  # pruned, or its fallback
+    dense = queries @ gallery.t()  # exact: integer products and sums
+    want = torch.topk(score_keys(dense, torch.arange(1000)[None, :]), k, dim=1).values
+    want_scores, want_ids = decode_keys(want)
+    assert torch.equal(ids, want_ids) and torch.equal(scores, want_scores)
+    order = np.stack([np.lexsort((np.arange(1000), -row))[:k] for row in dense.numpy()])
+    assert np.array_equal(ids.numpy(), order)
 
 
 def test_exact_search_refuses_k_above_gallery_and_bad_spec():
