@@ -367,7 +367,7 @@ class EmbeddingConfig:
     map_at_r: bool = False
     chunk_size: int = 1000
     tile_queries: int = 128
-    tile_gallery: int = 4096
+    tile_gallery: int = 1024
     precision: str = "float32"
     templates: List[str] = field(default_factory=lambda: ["a photo of a {}.", "a {} object."])
     generated_images: int = 512

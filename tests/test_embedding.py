@@ -77,6 +77,7 @@ def test_exact_search_refuses_k_above_gallery_and_bad_spec():
         SearchSpec(k=1, similarity="cos")
     with pytest.raises(ValueError, match="chunk"):
         SearchSpec(k=1, chunk=0)
+    assert [SearchSpec(k=1, chunk=c).step for c in (1000, 7, 128, 255)] == [896, 7, 128, 128]  # whole tiles
 
 
 def test_knn_vote_ties_go_to_the_smaller_class_and_weights_follow_dino():

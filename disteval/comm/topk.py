@@ -1,6 +1,7 @@
 """Sharded exact top-k search: every rank keeps its gallery shard; queries travel, the gallery never does.
 
-For each chunk of ``spec.chunk`` global query positions (the same chunks on every rank):
+For each chunk of ``spec.step`` global query positions (``spec.chunk`` rounded down to whole query tiles; the
+same chunks on every rank):
 
 1. one ``all_gather`` of the chunk's query embeddings (each rank sends the ones it embedded, with their
    positions; the per-rank counts of every chunk were exchanged once up front);
@@ -9,7 +10,7 @@ For each chunk of ``spec.chunk`` global query positions (the same chunks on ever
    top-k as int64 keys (score, then smaller global gallery position);
 3. one ``all_gather`` of the [chunk, k] keys; the top-k of their union is the exact global top-k.
 
-Collectives: 1 + 2 x ceil(num_queries / chunk), each under the process group's timeout (``Communicator``).
+Collectives: 1 + 2 x ceil(num_queries / step), each under the process group's timeout (``Communicator``).
 Bytes this rank sends (before the ring's forwarding): its own queries (n_q,r x (D + 1) x 4) plus
 num_queries x k x 8 of candidate keys; the gallery (N x D x 4) never moves.
 Peak memory per rank: gallery shard in tiles ((N/W + 2 tile_gallery) x D x 4) + one chunk's queries
@@ -43,11 +44,12 @@ def sharded_topk(comm: Any, gallery_rows: Rows, query_rows: Rows, num_queries: i
     gallery, gallery_positions = gallery_rows.embeddings, gallery_rows.positions
     queries, query_positions = query_rows.embeddings, query_rows.positions
     dim = int(queries.shape[1]) if queries.ndim == 2 and queries.shape[0] else int(gallery.shape[1]) if gallery.ndim == 2 else 0
-    n_chunks = -(-int(num_queries) // spec.chunk)
+    step = spec.step
+    n_chunks = -(-int(num_queries) // step)
     qpos = query_positions.to(torch.int64)
     order = torch.argsort(qpos)
     qpos_sorted, q_sorted = qpos[order], queries[order].float().contiguous()
-    counts = torch.bincount(qpos_sorted // spec.chunk, minlength=n_chunks).to(torch.int64)[:n_chunks]
+    counts = torch.bincount(qpos_sorted // step, minlength=n_chunks).to(torch.int64)[:n_chunks]
     head = torch.cat([torch.tensor([int(gallery.shape[0]), dim], dtype=torch.int64), counts])
     table = torch.stack(comm.all_gather_sized(head, [head.numel()] * comm.world_size))  # [W, 2 + n_chunks]
     n_gallery, dims = int(table[:, 0].sum()), set(int(d) for d in table[:, 1] if int(d) > 0)
@@ -59,7 +61,7 @@ def sharded_topk(comm: Any, gallery_rows: Rows, query_rows: Rows, num_queries: i
     out = torch.empty((qpos.numel(), spec.k), dtype=torch.int64)
     start = 0
     for c in range(n_chunks):
-        lo, hi = c * spec.chunk, min((c + 1) * spec.chunk, int(num_queries))
+        lo, hi = c * step, min((c + 1) * step, int(num_queries))
         mine = int(counts[c])
         rows = table[:, 2 + c].tolist()
         if sum(rows) != hi - lo:

