@@ -23,6 +23,7 @@ from sklearn.neighbors import KNeighborsClassifier, NearestNeighbors
 
 from bitwise_workers import load_metrics
 from embedding_workers import topk_worker
+from disteval.common.ranges import batch_aligned_bounds
 from disteval.common.topk import SearchSpec, exact_search
 from disteval.data.datasets import build_dataset
 from disteval.data.pairs import COLOURS, ImageTextPairs
@@ -213,15 +214,22 @@ def test_knn_top1_equals_sklearn_classifier(data):
 
 
 def test_bytes_moved_are_far_below_the_gallery(sharded):
-    """Sent per rank: the chunk counts, its (padded) share of the queries with positions, and k candidate keys
-    (int64) per query; the gallery (N x D x 4 bytes) never moves."""
+    """Sent per rank: the chunk counts, its share of the queries with positions (exact: broadcasts, no padding,
+    when the shares differ), and k candidate keys (int64) per query; the gallery (N x D x 4 bytes) never
+    moves. Collectives: the counts, then per chunk one broadcast per rank holding queries (one all_gather
+    when all hold as many) and one gather per holding rank (one all_gather when all hold some)."""
     gallery_bytes = N_GALLERY * 128 * 4
     for w in WORLD_SIZES:
         _, _, sent, collectives = sharded[w]["fashion_ip_c1000"]
         share = -(-N_QUERIES // 16 // w) * 16  # the largest rank's queries (whole batches of 16)
         assert max(sent) <= 8 * 3 + share * 129 * 4 + N_QUERIES * K * 8, (w, sent)
         assert max(sent) < gallery_bytes / 5, (w, sent)
-        assert set(collectives) == {1 + 2 * 1}  # counts once, then queries + candidates per chunk
+        rows = [int(np.diff(batch_aligned_bounds(N_QUERIES, 16, w, r))[0]) for r in range(w)]  # one chunk: all queries
+        holders = sum(1 for n in rows if n)
+        queries = 1 if len(set(rows)) == 1 else holders
+        candidates = 1 if holders == w else holders
+        assert set(collectives) == {1 + queries + candidates}, (w, rows, collectives)
+        assert list(sent) == [8 * 3 + n * 129 * 4 + N_QUERIES * K * 8 for n in rows], (w, rows, sent)  # no padding
 
 
 @pytest.fixture(scope="module")

@@ -313,6 +313,33 @@ class Communicator:
         agree across ranks (the caller guarantees it). Returns W CPU tensors in rank order."""
         return self._gather_sized(tensor, rows, None)
 
+    def gather_sized(self, tensor: torch.Tensor, rows: list[int], dst: int) -> list[torch.Tensor] | None:
+        """``all_gather_sized`` to ``dst`` only (one gather): W CPU tensors in rank order on ``dst``, None
+        elsewhere."""
+        return self._gather_sized(tensor, rows, dst)
+
+    def all_gather_uneven(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+        """``all_gather_sized`` without the padding when the sizes differ: one broadcast from each rank that holds
+        rows (exact size; ranks with none send nothing), else one all_gather. ``rows`` (every rank's first-dimension
+        size, known everywhere) decides the path, so all ranks take the same one. Bytes counted: this rank's own
+        payload only (what it sends). Returns W CPU tensors in rank order. Raises ValueError as
+        ``all_gather_sized``."""
+        if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
+            raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
+        if len(set(rows)) == 1:
+            return self.all_gather_sized(tensor, rows)
+        parts = []
+        for src, n in enumerate(rows):
+            if n == 0:
+                parts.append(tensor.new_empty((0, *tensor.shape[1:]), device="cpu"))
+                continue
+            buf = (tensor.to(self.device).contiguous() if src == self.rank else
+                   torch.empty((n, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device))
+            self._note("broadcast", buf.numel() * buf.element_size() if src == self.rank else 0)
+            dist.broadcast(buf, group_src=src, group=self.group)
+            parts.append(buf.cpu())
+        return parts
+
     def _gather_sized(self, tensor: torch.Tensor, rows: list[int], dst: int | None) -> list[torch.Tensor] | None:
         if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
             raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")

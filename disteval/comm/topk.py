@@ -3,16 +3,20 @@
 For each chunk of ``spec.step`` global query positions (``spec.chunk`` rounded down to whole query tiles; the
 same chunks on every rank):
 
-1. one ``all_gather`` of the chunk's query embeddings (each rank sends the ones it embedded, with their
-   positions; the per-rank counts of every chunk were exchanged once up front);
+1. the chunk's query embeddings reach every rank (each rank sends the ones it embedded, with their positions;
+   the per-rank counts of every chunk were exchanged once up front): one ``all_gather`` when every rank holds
+   as many, else one broadcast from each rank that holds some (``Communicator.all_gather_uneven``: no
+   padding; shards are contiguous, so a chunk usually lies on one rank);
 2. every rank scores the chunk against its shard (``disteval.common.topk.local_topk``: fixed-shape,
    globally aligned GEMM tiles, so scores are bit-identical to a single-process search) and keeps its local
    top-k as int64 keys (score, then smaller global gallery position);
-3. one ``all_gather`` of the [chunk, k] keys; the top-k of their union is the exact global top-k.
+3. each query's [k] candidate keys go to the rank that holds it (one gather per holding rank; one
+   ``all_gather`` when every rank holds some), which merges them: the top-k of their union is the exact
+   global top-k.
 
-Collectives: 1 + 2 x ceil(num_queries / step), each under the process group's timeout (``Communicator``).
-Bytes this rank sends (before the ring's forwarding): its own queries (n_q,r x (D + 1) x 4) plus
-num_queries x k x 8 of candidate keys; the gallery (N x D x 4) never moves.
+Collectives: 1 + 2 x ceil(num_queries / step) when each chunk lies on one rank, at most 1 + 2 W per chunk,
+each under the process group's timeout (``Communicator``). Bytes this rank sends: its own queries
+(n_q,r x (D + 1) x 4) plus num_queries x k x 8 of candidate keys; the gallery (N x D x 4) never moves.
 Peak memory per rank: gallery shard in tiles ((N/W + 2 tile_gallery) x D x 4) + one chunk's queries
 (chunk x (D + 1) x 4) + candidates (W x chunk x k x 8) + the scoring block of ``local_topk``.
 """
@@ -69,16 +73,32 @@ def sharded_topk(comm: Any, gallery_rows: Rows, query_rows: Rows, num_queries: i
                              "each query must be on exactly one rank")
         payload = torch.cat([q_sorted[start:start + mine].view(torch.int32),
                              qpos_sorted[start:start + mine, None].to(torch.int32)], 1)
-        got = torch.cat(comm.all_gather_sized(payload, rows))
+        got = torch.cat(comm.all_gather_uneven(payload, rows))
         pos = got[:, dim].to(torch.int64)
         if not torch.equal(torch.sort(pos).values, torch.arange(lo, hi)):
             raise ValueError(f"query positions [{lo}, {hi}) are not covered exactly once")
         keys = local_topk(got[:, :dim].contiguous().view(torch.float32), pos, tiles)  # [hi - lo] in `got` order
-        by_pos = torch.empty_like(keys)
-        by_pos[pos - lo] = keys
-        merged = merge_keys(comm.all_gather_sized(by_pos, [hi - lo] * comm.world_size), spec.k)
-        out[start:start + mine] = merged[qpos_sorted[start:start + mine] - lo]
+        out[start:start + mine] = _merge_at_owners(comm, keys, rows, spec.k)
         start += mine
     result = torch.empty_like(out)
     result[order] = out
     return decode_keys(result)
+
+
+def _merge_at_owners(comm: Any, keys: torch.Tensor, rows: list[int], k: int) -> torch.Tensor:
+    """This rank's rows of the global top-k: ``keys`` int64 [sum(rows), k] are every rank's candidates for
+    the round's queries in the gathered order (rank r's queries at rows [sum(rows[:r]), sum(rows[:r + 1])),
+    the same order on every rank); each query's candidates go to the rank that holds it only: one gather per
+    holding rank, or one all_gather when every rank holds some. Returns int64 [rows[rank], k]."""
+    offsets = [sum(rows[:r]) for r in range(len(rows) + 1)]
+    me = comm.rank
+    if all(rows):
+        parts = comm.all_gather_sized(keys, [keys.shape[0]] * comm.world_size)
+        return merge_keys([p[offsets[me]:offsets[me + 1]] for p in parts], k)
+    merged = keys.new_empty((0, k))
+    for owner, n in enumerate(rows):
+        if n:
+            parts = comm.gather_sized(keys[offsets[owner]:offsets[owner + 1]], [n] * comm.world_size, owner)
+            if owner == me:
+                merged = merge_keys(parts, k)
+    return merged
