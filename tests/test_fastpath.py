@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import SAMPLE, load_results, sample_tree
+from disteval.data.device_feed import _batch_to
 from disteval.data.wds_stream import StreamBatch
-from disteval.loop import DeviceFeed, ShardSpec, _batch_to, _PERSISTENT, make_loader
+from disteval.loop import DeviceFeed, ShardSpec, _PERSISTENT, make_loader
 
 
 class _Items(TensorDataset):
