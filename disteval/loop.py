@@ -9,11 +9,12 @@ import multiprocessing
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
+from disteval.data.device_feed import DeviceFeed
 from disteval.data.sharding import build_sampler, sampler_span
 from disteval.data.streaming import StreamSource
 from disteval.data.wds_stream import StreamBatch
@@ -280,81 +281,6 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         progress.seconds_warmup = -1.0  # marks: time the first batch apart
     progress = inference_on_dataset(model, DeviceFeed(loader, spec.device), evaluator, step, progress, hooks)
     return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)
-
-
-class DeviceFeed:
-    """The loader's batches with their inputs (and tensor targets) already on ``device``: on CUDA the next
-    batch is copied on a side stream (``non_blocking`` from the pinned host batch) while the current one
-    computes, and the compute stream waits for that copy only (no host synchronisation); elsewhere the
-    batches pass through unchanged (the task's step moves them). Sample ids stay on the host: coverage and
-    progress count them there. Batches are ``(inputs, targets, ids)`` tuples or ``StreamBatch``es."""
-
-    def __init__(self, loader: Iterable, device: torch.device):
-        self.loader, self.device = loader, torch.device(device)
-        self.batches: Iterator | None = None  # the loader's iterator of the pass in progress (its workers)
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator:
-        self.batches = iter(self.loader)
-        if self.device.type != "cuda":
-            yield from self.batches
-            return
-        side = torch.cuda.Stream(self.device)
-        compute = torch.cuda.current_stream(self.device)
-        ahead = None
-        for batch in self.batches:
-            side.wait_stream(compute)  # buffers the compute stream freed may be reused by the copy
-            with torch.cuda.stream(side):
-                moved = _batch_to(batch, self.device)
-            if ahead is not None:
-                yield ahead
-            compute.wait_stream(side)
-            _record(moved, compute)
-            ahead = moved
-        if ahead is not None:
-            yield ahead
-
-
-def _batch_to(batch: Any, device: torch.device) -> Any:
-    """Inputs and tensor targets of a loader batch copied to ``device`` (non-blocking); sample ids kept."""
-    if isinstance(batch, StreamBatch):
-        targets = batch.targets.to(device, non_blocking=True) if isinstance(batch.targets, torch.Tensor) else batch.targets
-        return batch._replace(inputs=_tree_to(batch.inputs, device), targets=targets)
-    inputs, targets, ids = batch
-    if isinstance(targets, torch.Tensor):
-        targets = targets.to(device, non_blocking=True)
-    return _tree_to(inputs, device), targets, ids
-
-
-def _tree_to(obj: Any, device: torch.device) -> Any:
-    """Tensors in nested lists/tuples/dicts copied to ``device`` (non-blocking); an object that says
-    ``stays_on_host`` (encoded images that the step decodes on the device) is left as it is."""
-    if getattr(obj, "stays_on_host", False):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
-        return type(obj)(*(_tree_to(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _tree_to(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _record(obj: Any, stream: Any) -> None:
-    """Tell the caching allocator that ``stream`` uses the tensors of ``obj`` (made on another stream)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
-            obj.record_stream(stream)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _record(o, stream)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _record(o, stream)
 
 
 def run_dummy_steps(model: Any, step: Callable[[Any, Any], Any], progress: LoopProgress, hooks: Sequence[LoopHook],

@@ -22,9 +22,7 @@ timeout 240 python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&
 
 echo "== throughput on the GPU"
 VAL="$(mktemp -d)/val"   # ImageFolder view of the flat sample folder: symlinks, nothing copied
-for f in "$DATA"/imagenet-sample-224/*.jpg; do
-  d="$VAL/$(basename "$f" | cut -d_ -f1)"; mkdir -p "$d"; ln -s "$(readlink -f "$f")" "$d/"
-done
+python scripts/imagenet_sample_tree.py "$VAL" --sample "$DATA/imagenet-sample-224" || status=1
 for model in resnet50 vit_b_16; do
   timeout 200 python benchmarks/throughput.py --device cuda --dtype bf16 --model "$model" --data-root "$VAL" \
       --batch-size 256 --world-sizes 1 --rounds 1 --repeats 5 --threads 4 > "$OUT/throughput_$model.txt" 2>&1

@@ -13,10 +13,11 @@ from pathlib import Path
 SAMPLE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "imagenet-sample-224"
 
 
-def make_tree(sample: Path, root: Path) -> int:
-    """Link every ``<wnid>_*.jpg`` of ``sample`` as ``root/<wnid>/<name>``; returns the number of images.
+def make_tree(sample: Path, root: Path, limit: int | None = None) -> int:
+    """Link every ``<wnid>_*.jpg`` of ``sample`` (or the first ``limit`` in name order: one image per class,
+    the shipped folder holding one per class) as ``root/<wnid>/<name>``; returns the number of images linked.
     Raises FileNotFoundError when ``sample`` holds no such image."""
-    files = sorted(sample.glob("n*_*.jpg"))
+    files = sorted(sample.glob("n*_*.jpg"))[:limit]
     if not files:
         raise FileNotFoundError(f"no <wnid>_<label>.jpg images in {sample}")
     for f in files:

@@ -1,6 +1,7 @@
 """Shared test helpers: running ``python -m disteval`` as a user would, and where ../shared lives."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helper modules, also for spawned ranks
+SAMPLE = SHARED / "data" / "imagenet-sample-224"  # 1000 ImageNet images, flat: <wnid>_<label>.jpg
+
+_spec = importlib.util.spec_from_file_location("imagenet_sample_tree", REPO / "scripts" / "imagenet_sample_tree.py")
+_sample_tree_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_sample_tree_script)
+
+
+def sample_tree(root: Path, limit: int | None = None) -> Path:
+    """The ImageFolder view ``root/<wnid>/<wnid>_<label>.jpg`` (symlinks, nothing copied) of the shipped
+    sample images in ``SAMPLE``, all 1000 or the first ``limit`` in name order (one per class), made by
+    ``scripts/imagenet_sample_tree.py``; returns ``root``. Raises FileNotFoundError when ``SAMPLE`` has none."""
+    _sample_tree_script.make_tree(SAMPLE, root, limit)
+    return root
 
 
 def run_disteval(*overrides: str, run_dir: Path, timeout: float = 300, env: dict | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import astuple
 from pathlib import Path
 
@@ -39,14 +41,28 @@ def synthetic_logits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return logits, rng.integers(0, NUM_CLASSES, size=n)
 
 
+@contextmanager
+def rank_with_status(out_dir: str, timeout_s: float = 120) -> Iterator[RankEnv]:
+    """This rank's env inside a gloo process group; its status.json in ``out_dir`` says ``done`` when the block
+    ends normally and records the exception (re-raised) otherwise; the group is always destroyed."""
+    env = RankEnv.from_env()
+    status = StatusWriter(out_dir, env.rank, env.world_size)
+    try:
+        init_process_group("gloo", timeout_s, env)
+        yield env
+        status.update(phase="done", force=True)
+    except BaseException as exc:
+        status.fail(exc)
+        raise
+    finally:
+        destroy_process_group()
+
+
 @record
 def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
     """For each (N, batch size): evaluate an identity model over synthetic logits on this rank's exact shard,
     synchronise once, and on rank 0 write the computed metrics, coverage and collective counts."""
-    env = RankEnv.from_env()
-    status = StatusWriter(out_dir, env.rank, env.world_size)
-    try:
-        init_process_group("gloo", 120, env)
+    with rank_with_status(out_dir) as env:
         comm = Communicator()
         chunked = Communicator(async_threshold_bytes=64, chunk_bytes=48, max_in_flight=2)
         model = torch.nn.Identity()
@@ -78,12 +94,6 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
                        "metrics_alt": other.metric.compute(), "multilabel": ml.compute(), "alt_ops": dict(chunked.by_op - before_alt),
                        "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
-        status.update(phase="done", force=True)
-    except BaseException as exc:
-        status.fail(exc)
-        raise
-    finally:
-        destroy_process_group()
 
 
 @record

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import TensorDataset
 
-from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
+from disteval.comm import Communicator
 from disteval.comm.mesh import ParallelDims, build_mesh
 from disteval.data import IndexedDataset
 from disteval.errors import DistevalError
@@ -21,8 +21,8 @@ from disteval.metrics.evaluator import Evaluator
 from disteval.models.reference_cnn import vit_tiny
 from disteval.parallel import first_inputs, parallel_model
 from disteval.data.sharding import lockstep_plan
-from disteval.records import StatusWriter
 from disteval.sync import check_tp_peers, synchronise
+from dist_workers import rank_with_status
 
 NUM_CLASSES = 5
 IMAGE = 16
@@ -81,10 +81,7 @@ def mesh_worker(out_dir: str, cases: list[dict]) -> None:
     (dp size 1 within each replica: the tp-only reference); ``global_rank`` splits the data by global rank
     (the mistake) and records the TP check's error; ``world_sync`` splits correctly but synchronises over all
     ranks (the other mistake) and records the coverage report."""
-    env = RankEnv.from_env()
-    status = StatusWriter(out_dir, env.rank, env.world_size)
-    try:
-        init_process_group("gloo", 120, env)
+    with rank_with_status(out_dir) as env:
         world = Communicator()
         for case in cases:
             groups = build_mesh(ParallelDims(*case["dims"]))
@@ -120,9 +117,3 @@ def mesh_worker(out_dir: str, cases: list[dict]) -> None:
                            dummy_steps=progress.dummy_steps, plan=plan)
                 torch.save({"logits": logits, "meta": json.dumps(out)},
                            Path(out_dir) / f"{case['name']}_{n}_rank{env.rank}.pt")
-        status.update(phase="done", force=True)
-    except BaseException as exc:
-        status.fail(exc)
-        raise
-    finally:
-        destroy_process_group()

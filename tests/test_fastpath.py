@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from conftest import load_results
+from conftest import SAMPLE, load_results, sample_tree
+from disteval.data.device_feed import _batch_to
 from disteval.data.wds_stream import StreamBatch
-from disteval.loop import DeviceFeed, ShardSpec, _batch_to, _PERSISTENT, make_loader
+from disteval.loop import DeviceFeed, ShardSpec, _PERSISTENT, make_loader
 
 
 class _Items(TensorDataset):
@@ -97,17 +97,7 @@ def test_bad_compile_backend_is_refused_before_ranks(cli):
     assert not (run_dir / "ranks").exists()
 
 
-SAMPLE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "imagenet-sample-224"
 needs_sample = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"{SAMPLE} absent (../shared is not beside this checkout)")
-
-
-def _sample_tree(root: Path, classes: int, per_class: int = 1) -> Path:
-    """An ImageFolder view of the first ``classes`` shipped sample images (symlinks, nothing copied)."""
-    for f in sorted(SAMPLE.glob("*.jpg"))[:classes * per_class]:
-        d = root / f.name.split("_")[0]
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f.name).symlink_to(f)
-    return root
 
 
 @needs_sample
@@ -139,7 +129,7 @@ def test_device_decode_gives_the_host_path_pixels_on_the_cpu(tmp_path):
 def test_decode_on_device_run_equals_host_decoding_at_every_world_size(cli, tmp_path):
     """``data.decode_on_device=true`` through the engine (loader workers read bytes; the step decodes): W=1 and
     W=2 equal the host-decoded run's metrics bit for bit (same pixels on the CPU), recorded in compute."""
-    root = _sample_tree(tmp_path / "val", classes=6, per_class=1)
+    root = sample_tree(tmp_path / "val", limit=6)  # 6 classes, one image each
     common = ["data=imagefolder", f"data.root={root}", "model=mobilenet_v2", "model.weights=null",
               "model.num_classes=6", "data.batch_size=4", "data.num_workers=1", "eval.progress=false", "eval.topk=[1]"]
     runs = {}

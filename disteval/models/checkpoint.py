@@ -58,3 +58,23 @@ def check_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], path: 
     if unexpected:
         raise CheckpointError(f"{where}: unexpected parameter {unexpected[0]!r} ({len(unexpected)} unexpected "
                               "in all; wrong model.name?)")
+
+
+def load_checkpoint_into(net: nn.Module, path: str | os.PathLike, drop_prefixes: tuple[str, ...] = ()) -> nn.Module:
+    """Load the plain state dict at ``path`` into ``net`` (strict), after dropping the keys that start with
+    any of ``drop_prefixes`` (e.g. ``("aux_classifier.",)`` for a head the model was built without).
+
+    The file is read with ``load_state_dict_file`` and compared with ``check_state_dict`` first; tensors keep
+    the checkpoint's values, converted to the parameters' dtypes by ``load_state_dict``. Returns ``net``.
+    Raises CheckpointError naming the file when it cannot be read, does not fit the model, or
+    ``load_state_dict`` refuses it (``"{path}: {error}"``).
+    """
+    state = load_state_dict_file(path)
+    if drop_prefixes:
+        state = {k: v for k, v in state.items() if not k.startswith(tuple(drop_prefixes))}
+    check_state_dict(net, state, str(path))
+    try:
+        net.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    return net

@@ -6,8 +6,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from disteval.errors import CheckpointError, ConfigError
-from disteval.models.checkpoint import check_state_dict, load_state_dict_file
+from disteval.errors import ConfigError
+from disteval.models.checkpoint import load_checkpoint_into
 
 
 def detection_models() -> list[str]:
@@ -38,10 +38,5 @@ def build_detector(model_cfg: Any, category_ids: np.ndarray, seed: int = 0) -> t
     net = torchvision.models.get_model(model_cfg.name, weights=None, weights_backbone=None, num_classes=num_classes,
                                        **kwargs)
     if model_cfg.checkpoint:
-        state = load_state_dict_file(model_cfg.checkpoint)
-        check_state_dict(net, state, str(model_cfg.checkpoint))
-        try:
-            net.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{model_cfg.checkpoint}: {exc}") from None
+        load_checkpoint_into(net, model_cfg.checkpoint)
     return net.eval()

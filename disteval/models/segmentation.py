@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from disteval.errors import CheckpointError, ConfigError
-from disteval.models.checkpoint import check_state_dict, load_state_dict_file
+from disteval.errors import ConfigError
+from disteval.models.checkpoint import load_checkpoint_into
 
 
 def segmentation_models() -> list[str]:
@@ -50,11 +50,5 @@ def build_segmenter(model_cfg: Any, num_classes: int, seed: int = 0) -> torch.nn
     net = torchvision.models.get_model(model_cfg.name, weights=None, weights_backbone=None, num_classes=num_classes,
                                        **kwargs)
     if model_cfg.checkpoint:
-        state = load_state_dict_file(model_cfg.checkpoint)
-        state = {k: v for k, v in state.items() if not k.startswith("aux_classifier.")}
-        check_state_dict(net, state, str(model_cfg.checkpoint))
-        try:
-            net.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{model_cfg.checkpoint}: {exc}") from None
+        load_checkpoint_into(net, model_cfg.checkpoint, drop_prefixes=("aux_classifier.",))
     return net.eval()

@@ -14,6 +14,7 @@ from disteval.data.coco_wire import load_detections_shared
 from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
 from disteval.errors import ConfigError
 from disteval.metrics.detection import CocoDetectionMetric
+from disteval.models.builders import prefetch_torchvision_weights
 from disteval.models.detection import build_detector, detection_models
 from disteval.common.formatting import fmt
 from disteval.tasks.base import Task, register_task
@@ -105,17 +106,7 @@ class CocoDetectionTask(_CocoTask):
         if cfg.model.name not in detection_models():
             raise ConfigError("model.name", f"{cfg.model.name!r} is not a torchvision detection model; "
                               f"available: {detection_models()}")
-        if cfg.model.weights not in (None, "", "none", "null") and not cfg.model.checkpoint:
-            import torchvision
-
-            try:  # download once here, not in every rank
-                torchvision.models.get_model_weights(cfg.model.name)[cfg.model.weights].get_state_dict(progress=False)
-            except KeyError:
-                raise ConfigError("model.weights", f"{cfg.model.weights!r} is not a weights name of "
-                                  f"{cfg.model.name}") from None
-            except Exception as exc:  # noqa: BLE001 - offline machines land here
-                raise ConfigError("model.weights", f"cannot fetch {cfg.model.name} {cfg.model.weights} "
-                                  f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH") from None
+        prefetch_torchvision_weights(cfg.model)
 
     def dataset(self):
         return CocoImages(self.cfg.data.root, self.cfg.data.annotations, self.gt, self.cfg.data.limit)

@@ -17,6 +17,7 @@ from disteval.data.semseg import (CocoSemanticLabels, PaintedPredictions, PngMap
                                   check_voc_root, collate_maps)
 from disteval.errors import ConfigError
 from disteval.metrics.segmentation import ABSENT_RULE, SegmentationMetrics
+from disteval.models.builders import prefetch_torchvision_weights
 from disteval.models.segmentation import build_segmenter, has_weights, segmentation_models
 from disteval.tasks.base import Task, register_task
 
@@ -86,18 +87,8 @@ class SegmentationTask(_SegmentationTask):
         if cfg.model.name not in segmentation_models():
             raise ConfigError("model.name", f"{cfg.model.name!r} is not a torchvision segmentation model; available: "
                               f"{segmentation_models()}")
-        if has_weights(cfg.model):
-            import torchvision
-
-            try:  # download once here, not in every rank
-                weights = torchvision.models.get_model_weights(cfg.model.name)[cfg.model.weights]
-                weights.get_state_dict(progress=False)
-            except KeyError:
-                raise ConfigError("model.weights", f"{cfg.model.weights!r} is not a weights name of "
-                                  f"{cfg.model.name}") from None
-            except Exception as exc:  # noqa: BLE001 - offline machines land here
-                raise ConfigError("model.weights", f"cannot fetch {cfg.model.name} {cfg.model.weights} "
-                                  f"({type(exc).__name__}: {exc}); offline? pass model.checkpoint=PATH") from None
+        weights = prefetch_torchvision_weights(cfg.model)
+        if weights is not None:
             if len(weights.meta["categories"]) != self.num_classes:
                 raise ConfigError("model.num_classes", f"{cfg.model.weights} predicts {len(weights.meta['categories'])} "
                                   f"classes but model.num_classes/data.num_classes say {self.num_classes}")
