@@ -44,7 +44,8 @@ def test_merge_of_any_split_equals_the_whole():
     assert np.array_equal(decode_keys(whole)[1].numpy(), want)
 
 
-@pytest.mark.parametrize("k,tile,run", [(1, 64, True), (5, 128, True), (20, 192, True), (7, 100, False)])
+@pytest.mark.parametrize("k,tile,run", [(1, 64, True), (3, 512, True), (5, 128, True), (20, 192, True),
+                                         (7, 100, False)])
 def test_pruned_search_equals_a_top_k_over_every_pair(k, tile, run, monkeypatch):
     """``exact_search`` (threshold pruning of ``_merge_block``, or its fallback when the tile is not a multiple
     of the pruning run) == a top-k over the keys of every (query, item) pair, numpy's lexsort order: small

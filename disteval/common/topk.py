@@ -190,25 +190,34 @@ def local_topk(queries: torch.Tensor, query_positions: torch.Tensor, gallery: Ga
 
 def _merge_block(best: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, present: torch.Tensor,
                  k: int, padding: torch.Tensor) -> torch.Tensor:
-    """The top-k keys of ``best`` (int64 [R, k], descending) united with a score block (float32 [R, C] at
-    gallery ``positions`` [C], absent columns ``~present``): the same result as a top-k over the whole block,
-    except in the rows marked by ``padding`` (bool [R]: the zero rows that fill the query tiles), whose keys
-    are left as they are once full (their scores all tie, so nothing could be pruned there).
+    """The top-k keys of ``best`` (int64 [R, k], descending; ``EMPTY`` where fewer) united with a score block
+    (float32 [R, C] at gallery ``positions`` [C], absent columns ``~present``): the same result as a top-k over
+    the whole block, except in the rows marked by ``padding`` (bool [R]: the zero rows that fill the query
+    tiles, whose keys are never read), which are skipped.
 
-    Threshold pruning: once every row holds k candidates, a column can enter row r only if its score is >= the
-    score of r's k-th key (a larger key has a score at least as large); NaN scores (non-finite embeddings, which
-    ``EmbeddingMetrics`` refuses) always pass. Columns are screened by the max of each run of ``PRUNE_RUN`` columns (a vectorised ``amax``, about
-    1/15 of a top-k's cost); only runs that reach the threshold are compared column by column and only the
-    passing columns get keys. Falls back to a top-k of the whole block while some row has fewer than k
-    candidates, when C is not a multiple of the run, or when more than 4k runs per row pass (many ties)."""
+    Threshold pruning: a column can enter row r only if its score is >= a lower bound t_r of the row's k-th
+    best score after the merge: the score of r's k-th key when ``best`` holds k (a larger key has a score at
+    least as large), else the k-th largest of the block's run maxima (k distinct columns reach it). NaN scores
+    (non-finite embeddings, which ``EmbeddingMetrics`` refuses) always pass. Columns are screened by the max of
+    each run of ``PRUNE_RUN`` columns (a vectorised ``amax``, about 1/15 of a top-k's cost); only runs that
+    reach t_r are compared column by column and only the passing columns get keys. Falls back to a top-k of the
+    whole block when C is not a multiple of the run, when a row without k keys meets a block of fewer than k
+    runs, or when more than 4k runs per row pass (many ties)."""
     r, c = scores.shape
-    if not bool((best[:, -1] != EMPTY).all()) or c % PRUNE_RUN:
+    if c % PRUNE_RUN:
         return merge_keys([best, _block_topk(scores, positions, present, k)], k)
     if not bool(present.all()):
         scores.masked_fill_(~present[None, :], float("-inf"))
-    kth = decode_keys(best[:, -1])[0].masked_fill_(padding, float("inf"))
     runs = scores.view(r, c // PRUNE_RUN, PRUNE_RUN)
-    row, run = torch.lt(runs.amax(2), kth[:, None]).logical_not_().nonzero(as_tuple=True)
+    run_max = runs.amax(2)
+    kth = decode_keys(best[:, -1])[0]
+    short = (best[:, -1] == EMPTY) & ~padding
+    if bool(short.any()):
+        if run_max.shape[1] < k:
+            return merge_keys([best, _block_topk(scores, positions, present, k)], k)
+        kth = torch.where(short, torch.topk(run_max, k, dim=1).values[:, -1], kth)
+    kth.masked_fill_(padding, float("inf"))
+    row, run = torch.lt(run_max, kth[:, None]).logical_not_().nonzero(as_tuple=True)
     if row.numel() == 0:
         return best
     if row.numel() > 4 * k * r:
@@ -220,7 +229,7 @@ def _merge_block(best: torch.Tensor, scores: torch.Tensor, positions: torch.Tens
     rows, cols = row[i], columns[i, j]
     counts = torch.bincount(rows, minlength=r)
     slot = torch.arange(rows.numel()) - (torch.cumsum(counts, 0) - counts)[rows]
-    found = torch.full((r, int(counts.max())), EMPTY, dtype=torch.int64)
+    found = torch.full((r, max(1, int(counts.max()))), EMPTY, dtype=torch.int64)
     found[rows, slot] = score_keys(values[i, j], positions[cols])
     return merge_keys([best, found], k)
 
