@@ -181,20 +181,24 @@ class RankRun:
             self.faults.on_sync()
             if self.watch:
                 self.watch.wait_all_in_sync()
-            self._after_loop(ev)
+            seconds_after_loop = self._after_loop(ev)
             out = self._synchronise(ev, progress)
+            out["seconds_after_loop"] = seconds_after_loop
             display.finish()
         return out
 
-    def _after_loop(self, ev: Evaluator) -> None:
+    def _after_loop(self, ev: Evaluator) -> float:
         """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as
-        the collective phase this rank is in (the watchdog and the doctor read it)."""
+        the collective phase this rank is in (the watchdog and the doctor read it). Returns its seconds
+        (results.json ``timings.after_loop``: the sharded search of an embedding task)."""
         ctx = self.ctx
         ctx.status.update(in_collective={"op": "task_after_loop", "since": time.time()}, force=True)
+        t0 = time.perf_counter()
         try:
             self.task.after_loop(ev.metric, ctx.comm)
         finally:
             ctx.status.update(in_collective=None)
+        return time.perf_counter() - t0
 
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
@@ -281,7 +285,8 @@ class RankRun:
                "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
                "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
-               "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total)}
+               "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total,
+                                   sum(o["seconds_after_loop"] for o in outcomes))}
         results = build_results(cfg, run, last["rows"], metrics, extra={
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
             "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
@@ -345,14 +350,15 @@ def _say(ctx: RankContext, message: str) -> None:
         startup.progress(message)
 
 
-def _timings(load: float, sync: float, t_total: float) -> dict:
-    """results.json ``timings`` (seconds): load, sync; ``evaluation_s`` = rank 0's bootstrap, load, forward and
+def _timings(load: float, sync: float, t_total: float, after_loop: float = 0.0) -> dict:
+    """results.json ``timings`` (seconds): load, sync, after_loop (the task's work between the loop and the
+    synchronisation, ``Task.after_loop``: an embedding task's sharded search; 0 for most tasks); ``evaluation_s`` = rank 0's bootstrap, load, forward and
     sync (from this rank's start after its imports, ``t_total`` on the perf_counter clock, to now), also kept as
     ``total``; ``process_wall_s`` = the whole run's wall time, from the start of the job's driver process
     (``python -m disteval``; a later job of a multirun in one process: its own start) to now, None when the
     driver did not pass its start (``DISTEVAL_T0``)."""
     evaluation = time.perf_counter() - t_total
-    return {"load": load, "sync": sync, "total": evaluation, "evaluation_s": evaluation,
+    return {"load": load, "sync": sync, "after_loop": after_loop, "total": evaluation, "evaluation_s": evaluation,
             "process_wall_s": startup.seconds_since_start()}
 
 

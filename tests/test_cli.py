@@ -77,7 +77,7 @@ def test_default_job_two_ranks_equals_reference(cli):
     assert sum(p["samples"] for p in res["per_rank"]) == 540 and res["coverage"]["ok"]
     for key in ("timings", "throughput", "comm", "versions", "config_digest", "schema_version"):
         assert key in res
-    assert set(res["timings"]) == {"load", "forward", "sync", "total", "evaluation_s", "process_wall_s"}
+    assert set(res["timings"]) == {"load", "forward", "sync", "after_loop", "total", "evaluation_s", "process_wall_s"}
     t = res["timings"]  # the whole run (imports and rank start-up included) and the evaluation, both wall s
     assert t["evaluation_s"] == t["total"] and 0 < t["evaluation_s"] <= t["process_wall_s"]
     # bitwise mode: int64 sums in one all_reduce, float sums as tree nodes inside the one all_gather
