@@ -40,9 +40,9 @@ class SearchSpec:
     k: neighbours per query (>= 1). similarity: ``ip`` | ``l2``. chunk: queries per round of the sharded
     search (>= 1; memory, not results, depends on it; ``step`` rounds it down to whole query tiles).
     tile_queries / tile_gallery: the fixed GEMM tile (rows of queries, rows of gallery); results are
-    bit-identical for any W and chunk at a fixed tile. The default 128 x 1024 tile was measured fastest on
-    one CPU thread at D = 128 (0.37 s for 1,000 queries x 30,000 items with the top-k, against 0.51 s at
-    128 x 4096 and 0.55 s for one plain GEMM + ``torch.topk``: the tile's scores stay in cache) and wastes at
+    bit-identical for any W and chunk at a fixed tile. The default 128 x 1024 tile was measured on one CPU
+    thread at D = 128 (2,000 queries x 30,000 items with the top-k: 0.37 s, against 0.51-0.57 s at
+    128 x 4096 and 0.55 s for plain GEMMs + ``torch.topk``: the tile's scores stay in cache) and wastes at
     most two tiles of rows at a shard's edges.
     """
 
