@@ -352,11 +352,12 @@ def _say(ctx: RankContext, message: str) -> None:
 
 def _timings(load: float, sync: float, t_total: float, after_loop: float = 0.0) -> dict:
     """results.json ``timings`` (seconds): load, sync, after_loop (the task's work between the loop and the
-    synchronisation, ``Task.after_loop``: an embedding task's sharded search; 0 for most tasks); ``evaluation_s`` = rank 0's bootstrap, load, forward and
-    sync (from this rank's start after its imports, ``t_total`` on the perf_counter clock, to now), also kept as
-    ``total``; ``process_wall_s`` = the whole run's wall time, from the start of the job's driver process
-    (``python -m disteval``; a later job of a multirun in one process: its own start) to now, None when the
-    driver did not pass its start (``DISTEVAL_T0``)."""
+    synchronisation, ``Task.after_loop``: an embedding task's sharded search; 0 for most tasks);
+    ``evaluation_s`` = rank 0's bootstrap, load, forward and sync (from this rank's start after its imports,
+    ``t_total`` on the perf_counter clock, to now), also kept as ``total``; ``process_wall_s`` = the whole
+    run's wall time, from the start of the job's driver process (``python -m disteval``; a later job of a
+    multirun in one process: its own start) to now, None when the driver did not pass its start
+    (``DISTEVAL_T0``)."""
     evaluation = time.perf_counter() - t_total
     return {"load": load, "sync": sync, "after_loop": after_loop, "total": evaluation, "evaluation_s": evaluation,
             "process_wall_s": startup.seconds_since_start()}

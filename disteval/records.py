@@ -15,8 +15,8 @@ host, shard [start, end), samples, batches, metrics {the task's local summary, e
 {load, forward, warmup}, images_per_s (after the warm-up)}], timings {load, forward, sync, after_loop, total,
 evaluation_s, process_wall_s} (seconds, rank 0's clock; forward = slowest rank; after_loop = the task's work
 between the loop and the sync, e.g. an embedding task's sharded search, 0 for most tasks; evaluation_s = total =
-rank 0's bootstrap, load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up included, to
-results.json written, null when unknown), throughput {images_per_s (forward only; with eval.compile
+rank 0's bootstrap, load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up
+included, to results.json written, null when unknown), throughput {images_per_s (forward only; with eval.compile
 the first batch of each rank, which compiles, is left out), warmup_s (that first batch, slowest rank; null
 without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,

@@ -115,8 +115,9 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
 
 def _wall_times(t: dict) -> list[tuple[str, str]]:
     """The two labelled wall times of results.json ``timings`` (seconds): the evaluation (rank 0: process
-    group, data and model, forward, the task's work after the loop when it has some, sync) and the whole run (from the driver's start, imports and rank
-    start-up included; absent in records written before it was kept)."""
+    group, data and model, forward, the task's work after the loop when it has some, sync) and the whole run
+    (from the driver's start, imports and rank start-up included; absent in records written before it was
+    kept)."""
     evaluation = t.get("evaluation_s", t["total"])
     after = f", after the loop {t['after_loop']:.2f}" if t.get("after_loop") else ""  # e.g. a sharded kNN search
     rows = [("wall time: evaluation (s)",

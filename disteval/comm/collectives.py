@@ -324,8 +324,7 @@ class Communicator:
         size, known everywhere) decides the path, so all ranks take the same one. Bytes counted: this rank's own
         payload only (what it sends). Returns W CPU tensors in rank order. Raises ValueError as
         ``all_gather_sized``."""
-        if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
-            raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
+        self._check_rows(tensor, rows)
         if len(set(rows)) == 1:
             return self.all_gather_sized(tensor, rows)
         parts = []
@@ -340,9 +339,13 @@ class Communicator:
             parts.append(buf.cpu())
         return parts
 
-    def _gather_sized(self, tensor: torch.Tensor, rows: list[int], dst: int | None) -> list[torch.Tensor] | None:
+    def _check_rows(self, tensor: torch.Tensor, rows: list[int]) -> None:
+        """ValueError unless ``rows`` has one size per rank and this rank's is ``tensor``'s first dimension."""
         if len(rows) != self.world_size or rows[self.rank] != tensor.shape[0]:
             raise ValueError(f"rows {rows} do not match world size {self.world_size} / local rows {tensor.shape[0]}")
+
+    def _gather_sized(self, tensor: torch.Tensor, rows: list[int], dst: int | None) -> list[torch.Tensor] | None:
+        self._check_rows(tensor, rows)
         padded = self._padded(tensor, max(rows))
         flat = padded.reshape(-1)
         receive = dst is None or self.rank == dst

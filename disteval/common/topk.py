@@ -206,7 +206,8 @@ def _merge_block(best: torch.Tensor, scores: torch.Tensor, positions: torch.Tens
     r, c = scores.shape
     if c % PRUNE_RUN:
         return merge_keys([best, _block_topk(scores, positions, present, k)], k)
-    if not bool(present.all()):
+    all_present = bool(present.all())
+    if not all_present:
         scores.masked_fill_(~present[None, :], float("-inf"))
     runs = scores.view(r, c // PRUNE_RUN, PRUNE_RUN)
     run_max = runs.amax(2)
@@ -225,7 +226,7 @@ def _merge_block(best: torch.Tensor, scores: torch.Tensor, positions: torch.Tens
     # index_select of whole runs: several times faster than advanced indexing of (row, column) pairs
     values = runs.view(-1, PRUNE_RUN).index_select(0, row * runs.shape[1] + run)  # [n, PRUNE_RUN]
     passing = torch.lt(values, kth.index_select(0, row)[:, None]).logical_not_()
-    if not bool(present.all()):
+    if not all_present:
         passing &= present.view(-1, PRUNE_RUN).index_select(0, run)
     i, j = passing.nonzero(as_tuple=True)
     rows, cols = row.index_select(0, i), run.index_select(0, i) * PRUNE_RUN + j
