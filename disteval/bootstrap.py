@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ import torch
 from disteval import precision as prec
 from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
 from disteval.errors import DiskFullError, DistevalError
-from disteval.records import StatusWriter, config_digest, rank_dir
+from disteval.comm.board import StoreBoard, detect_shared_filesystem
+from disteval.common import netif
+from disteval.records import StatusWriter, config_digest, rank_dir, read_status
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
 log.propagate = False
@@ -34,6 +37,16 @@ class RankContext:
     backend: str | None = None
     comm: Communicator | None = None
     compute: dict | None = None
+    net: dict | None = None  # host, node, node_rank, interface, address, ifname source (results.json per_rank)
+    board: StoreBoard | None = None  # status records through the rendezvous store (launched ranks)
+    filesystem: str = "local"  # "shared": every rank sees every record in the run directory; else "node-local"
+
+    def read_peer(self, rank: int) -> dict | None:
+        """Rank ``rank``'s status record: its status.json on a shared run directory (or a single process), else
+        what it published in the rendezvous store (``disteval.comm.board``)."""
+        if self.board is None or self.filesystem == "shared":
+            return read_status(self.run_dir, rank)
+        return self.board.read(rank)
 
 
 def setup_logging(run_dir: str, rank: int) -> None:
@@ -74,6 +87,7 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
         "backend": ctx.backend, "master_addr": os.environ.get("MASTER_ADDR") if env else None,
         "master_port": int(os.environ["MASTER_PORT"]) if env and os.environ.get("MASTER_PORT") else None,
         "timeout_s": float(cfg.communication.timeout_s)})
+    ctx.net = _network(env)
     init_process_group(ctx.backend, cfg.communication.timeout_s, env)
     ctx.status.update(force=True, joined=time.time())
     cc, status = cfg.communication, ctx.status
@@ -83,8 +97,39 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
                             max_in_flight=cc.max_in_flight)
     if agree_run_dir and env is not None:
         _agree_run_dir(ctx)
+    if env is not None:
+        ctx.board = StoreBoard.from_env(ctx.rank, ctx.world_size, float(cfg.communication.timeout_s))
+        ctx.status.mirror = ctx.board.publish
+        ctx.status.update(force=True, net=ctx.net)
+        shared = detect_shared_filesystem(ctx.board, lambda r: read_status(ctx.run_dir, r))
+        ctx.filesystem = "shared" if shared else "node-local"
+        ctx.status.update(force=True, filesystem=ctx.filesystem)
     log.info("rank %d/%d on %s, backend %s, device %s", ctx.rank, ctx.world_size, ctx.status.record["host"],
              ctx.backend, ctx.device)
+
+
+def _network(env: RankEnv | None) -> dict:
+    """This rank's place on the network, before the process group exists: the interface gloo/NCCL will use
+    (``disteval.common.netif.apply_socket_ifname``: the route to MASTER_ADDR unless GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME are set), host, node identity and node rank. Raises DistevalError when the ranks span
+    nodes and MASTER_ADDR resolves to a loopback address (the other nodes could never reach it)."""
+    info = {"host": socket.gethostname(), "node": netif.node_id(), "node_rank": 0, "interface": None,
+            "address": None, "ifname_source": None}
+    if env is None:
+        return info
+    master = os.environ.get("MASTER_ADDR")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    resolved = netif.resolve(master) if master else None
+    if local_world < env.world_size and netif.is_loopback(resolved):
+        raise DistevalError(f"rank {env.rank} on node {info['host']}: the ranks span several nodes but MASTER_ADDR="
+                            f"{master} resolves to {resolved}, a loopback address; the launcher advertised a "
+                            "hostname that resolves to loopback: give it the node's reachable address (torchrun "
+                            "--local-addr ADDR / --rdzv-endpoint ADDR:PORT, disteval dist.local_addr=ADDR) or fix "
+                            "/etc/hosts")
+    chosen = netif.apply_socket_ifname(master)
+    info.update(node_rank=int(os.environ.get("GROUP_RANK", 0)), interface=chosen["interface"],
+                address=chosen["address"], ifname_source=chosen["source"])
+    return info
 
 
 def _agree_run_dir(ctx: RankContext) -> None:
@@ -97,7 +142,8 @@ def _agree_run_dir(ctx: RankContext) -> None:
     if meta["run_dir"] != ctx.run_dir:  # move this rank's records next to rank 0's
         old, ctx.run_dir = ctx.status, meta["run_dir"]
         ctx.status = StatusWriter(ctx.run_dir, ctx.rank, ctx.world_size, interval_s=old.interval_s)
-        ctx.status.record.update(t_start=old.record["t_start"])
+        ctx.status.record.update(t_start=old.record["t_start"], rendezvous=old.record.get("rendezvous"),
+                                 joined=old.record.get("joined"))
         setup_logging(ctx.run_dir, ctx.rank)
 
 

@@ -30,7 +30,7 @@ from disteval.errors import ConfigError, DiskFullError, DistevalError, RankFaile
 from disteval import rundir
 from disteval.records import LaunchRecord
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
-                             release_run_dir)
+                             leads_nodes, release_run_dir)
 
 register_schemas()
 _err = Console(stderr=True)
@@ -74,7 +74,7 @@ def run(cfg: DictConfig) -> int:
         return submit_run(_hydra_main.__wrapped__)
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
-    if external_rank() in (None, 0):  # one run per run directory (disteval.rundir)
+    if external_rank() in (None, 0) and leads_nodes(cfg):  # one run per run directory (disteval.rundir)
         code = _claim(run_dir, bool(OmegaConf.select(cfg, "eval.overwrite", default=False)),
                       SHARED_RECORDS if external else JOB_RECORDS)
         if code:
@@ -105,7 +105,7 @@ def _claim(run_dir: str, overwrite: bool, names: tuple[str, ...]) -> int:
 
 def _run_claimed(cfg: DictConfig, hc, run_dir: str, external: bool, launcher: str) -> int:
     record = None
-    if not external:
+    if not external and leads_nodes(cfg):
         record = LaunchRecord(run_dir, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
                               overrides=list(hc.overrides.task), hydra_launcher=launcher or "basic",
                               world_size=int(cfg.dist.world_size), master_addr=str(cfg.dist.master_addr),
@@ -143,7 +143,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         if not external or RankEnv.from_env().rank == 0:
             for note in notes:
                 _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
-        if not external:
+        if record is not None:
             record.start()
     except DiskFullError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
@@ -195,6 +195,11 @@ def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: 
             if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
                 exc.rank = 0
             raise
+    elif int(cfg.dist.get("nnodes") or 1) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
+        from launchers.local import Rendezvous
+
+        launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
+                     rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s)))
     else:
         alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
         launch_local(container, run_dir, cfg.dist.world_size, "127.0.0.1" if alone else cfg.dist.master_addr,

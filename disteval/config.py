@@ -315,10 +315,32 @@ class DistConfig:
     threads: Optional[int] = None
     allocator: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # across nodes (README, Running across nodes): run the same command on each of ``nnodes`` nodes; world_size
+    # is the total (world_size / nnodes ranks per node); rdzv_endpoint HOST:PORT is where the nodes meet (c10d
+    # rendezvous, hosted by the node that owns HOST); node_rank null = order chosen by the rendezvous, a value =
+    # torchrun's --node-rank (static rendezvous: node 0 owns the endpoint); local_addr: the address this node
+    # advertises (null = the hostname's, which must not resolve to loopback)
+    nnodes: int = 1
+    node_rank: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    local_addr: Optional[str] = None
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``dist.*`` key."""
         _at_least("dist.world_size", self.world_size, 1)
+        _at_least("dist.nnodes", self.nnodes, 1)
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ConfigError("dist.world_size", f"{self.world_size} ranks cannot be spread evenly over "
+                                  f"dist.nnodes={self.nnodes} nodes (world_size is the total over all nodes)")
+            host, _, port = (self.rdzv_endpoint or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ConfigError("dist.rdzv_endpoint", f"dist.nnodes={self.nnodes} needs the rendezvous as HOST:PORT "
+                                  f"(a port every node can reach on HOST), got {self.rdzv_endpoint!r}")
+            if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+                raise ConfigError("dist.node_rank", f"must be in 0..{self.nnodes - 1} (or null), got {self.node_rank}")
+        elif self.node_rank not in (None, 0):
+            raise ConfigError("dist.node_rank", f"{self.node_rank} given with dist.nnodes=1")
         self.parallel.validate(self.world_size)
         if self.allocator not in ALLOCATORS:
             raise ConfigError("dist.allocator", f"{self.allocator!r} is not one of {list(ALLOCATORS)}")

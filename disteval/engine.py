@@ -136,6 +136,9 @@ class RankRun:
         if ctx.rank == 0 and ctx.world_size > 1:
             watch = PeerWatch(ctx.run_dir, ctx.world_size, float(ctx.cfg.communication.timeout_s), progress_display,
                               started=ctx.status.record["t_start"])
+            watch.read = ctx.read_peer
+            if ctx.filesystem == "node-local":  # the other nodes' records, copied into this node's run directory
+                watch.relay_to = (ctx.run_dir, ctx.net["node"])
             self.watch = watch
             hooks.append(CallbackHook(lambda p: watch.maybe_check()))
         else:
@@ -205,6 +208,7 @@ class RankRun:
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
+                "net": self.ctx.net,
                 **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 
@@ -291,6 +295,7 @@ class RankRun:
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
             "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
+            "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
         write_results(ctx.run_dir, results)
@@ -375,7 +380,9 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     ctx = open_records(cfg, run_dir, env)
     timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s, cfg.eval.status_interval_s))
     parent = parent_to_watch(env is not None)
-    watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, ctx.rank, ctx.world_size, timing, parent).start()
+    watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, ctx.rank, ctx.world_size, timing, parent)
+    watchdog.read = ctx.read_peer
+    watchdog.start()
     if threading.current_thread() is threading.main_thread():
         record_driver_death(parent)
     try:
@@ -409,7 +416,10 @@ def worker_entry(cfg_container: dict, run_dir: str) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     sys.stdout.reconfigure(line_buffering=True)
     cfg = OmegaConf.create(cfg_container)
-    run_rank(cfg, str(Path(run_dir)), RankEnv.from_env())
+    env = RankEnv.from_env()
+    # across nodes every node's driver composed its own run directory: the ranks take rank 0's
+    spans_nodes = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) < env.world_size
+    run_rank(cfg, str(Path(run_dir)), env, agree_run_dir=spans_nodes)
     startup.skip_teardown_at_exit()  # results and records are written; the launcher waits for the exit
 
 

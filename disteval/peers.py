@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from disteval.errors import DistevalError
-from disteval.records import read_status, recorded_progress
+from disteval.records import read_status, recorded_progress, relay_records
 
 
 class PeerFailedError(DistevalError):
@@ -29,10 +29,14 @@ class PeerWatch:
         self.run_dir, self.world_size, self.timeout_s = run_dir, world_size, timeout_s
         self.progress, self.started, self.every_s = progress, started, every_s
         self._last = 0.0
+        self.read = lambda r: read_status(self.run_dir, r)  # RankContext.read_peer for launched ranks
+        self.relay_to: tuple[str, str] | None = None  # (run_dir, this node's id): copy other nodes' records here
 
     def check(self) -> list[dict | None]:
         """Read every record, refresh the display, raise on a failed, stalled or missing peer."""
-        records = [read_status(self.run_dir, r) for r in range(self.world_size)]
+        records = [self.read(r) for r in range(self.world_size)]
+        if self.relay_to is not None:
+            relay_records(self.relay_to[0], records, self.relay_to[1])
         now = time.time()
         for r, s in enumerate(records):
             if s and s.get("phase") == "failed":

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from disteval.common import netif
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.config import validated
 from disteval.errors import ConfigError
@@ -50,6 +51,22 @@ def check_rendezvous_address(addr: str, port: int) -> None:
                               "(dist.master_port=0 picks a free port)") from None
 
 
+def check_multi_node(cfg: Any) -> None:
+    """A multi-node launch (``dist.nnodes`` > 1) before this node's agent joins the rendezvous: the rendezvous
+    host must resolve and be routable from here, and this node's hostname must not resolve to a loopback
+    address unless ``dist.local_addr`` says which address to advertise. Raises ConfigError naming the key."""
+    host = str(cfg.dist.rdzv_endpoint).rpartition(":")[0]
+    if netif.resolve(host) is None:
+        raise ConfigError("dist.rdzv_endpoint", f"node {socket.gethostname()}: cannot resolve the rendezvous host "
+                          f"{host!r}")
+    if netif.route_to(host) is None:
+        raise ConfigError("dist.rdzv_endpoint", f"node {socket.gethostname()}: no route to the rendezvous host "
+                          f"{host} ({netif.resolve(host)}): check the network connection and this node's routes")
+    problem = netif.loopback_hostname_error(host, cfg.dist.get("local_addr"))
+    if problem:
+        raise ConfigError("dist.local_addr", problem)
+
+
 def preflight(cfg: Any, notes: list[str] | None = None) -> None:
     """All driver-side checks: config values, fault drills, the rendezvous address, then the task's own
     (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
@@ -64,7 +81,9 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
         message = str(exc).removeprefix(f"{FAULTS_ENV}: ")
         raise ConfigError(FAULTS_ENV, f"{message} (an environment variable for fault drills; unset it to run "
                           "normally)") from None
-    if cfg.dist.world_size > 1 and not external_launch_detected():
+    if int(cfg.dist.get("nnodes") or 1) > 1 and not external_launch_detected():
+        check_multi_node(cfg)
+    elif cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     check_parallel(cfg, notes)
     task = resolve_task(cfg)(cfg)

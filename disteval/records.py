@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from disteval.common.netif import node_id
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
 from disteval.errors import DiskFullError
 
@@ -138,6 +139,32 @@ def read_status(run_dir: str | os.PathLike, rank: int) -> dict | None:
         return json.loads(status_path(run_dir, rank).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def relay_records(run_dir: str | os.PathLike, records: list[dict | None], my_node: str) -> list[int]:
+    """Copy the records of ranks on other nodes (as read from the rendezvous store) into this node's run
+    directory as ``ranks/rank{r}/status.json`` with ``relayed: true``, so that the launcher, the doctor and a
+    person on this node see every rank without a shared filesystem. A rank's own file is never overwritten;
+    a relayed copy is rewritten only when the record changed. Returns the ranks written. Never raises OSError
+    (the relay is evidence, not the run's work)."""
+    written = []
+    for r, s in enumerate(records):
+        if not s or s.get("node") == my_node:
+            continue
+        path = status_path(run_dir, r)
+        try:
+            old = json.loads(path.read_text()) if path.exists() else None
+        except (OSError, ValueError):
+            old = None
+        if old is not None and (not old.get("relayed") or old.get("t_update") == s.get("t_update")):
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, dict(s, relayed=True, relayed_at=time.time()))
+            written.append(r)
+        except OSError:
+            pass
+    return written
 
 
 def recorded_progress(status: dict) -> str:
@@ -280,6 +307,7 @@ class StatusWriter:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "boot_id": boot_id(),
+            "node": node_id(),
             "phase": "init",
             "t_start": now,
             "t_update": now,
@@ -323,6 +351,7 @@ class StatusWriter:
             self.record.update(phase="done", t_progress=time.time(), t_update=time.time())
             if write_record_or_reserve(status_path(self.run_dir, self.rank), self.record, self.run_dir):
                 self._last_write = time.time()
+            self._publish()
 
     def fail(self, exc: BaseException) -> None:
         """Record ``exc`` (``error_record``) and phase ``failed``. Never raises OSError: on a full disk the run's
@@ -334,11 +363,23 @@ class StatusWriter:
             self.record.update(phase="failed", t_update=time.time())
             if write_record_or_reserve(status_path(self.run_dir, self.rank), self.record, self.run_dir):
                 self._last_write = time.time()
+            self._publish()
 
     def _write(self) -> None:
         self.record["t_update"] = time.time()
         atomic_write_json(status_path(self.run_dir, self.rank), self.record)
         self._last_write = time.time()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the record to ``mirror`` (``disteval.comm.board.StoreBoard.publish``: the rendezvous store), so
+        that peers on other nodes see it without a shared filesystem. A failing mirror never fails the rank."""
+        mirror = getattr(self, "mirror", None)
+        if mirror is not None:
+            try:
+                mirror(dict(self.record))
+            except Exception:  # noqa: BLE001 - the store is gone or slow: the file record stands
+                pass
 
 
 LAUNCH_RECORD = "launch.json"
@@ -468,8 +509,10 @@ MESH_ROW_FIELDS = ("dp_rank", "tp_rank", "dummy_steps", "dummy_steps_planned")
 
 def per_rank_record(row: dict, host: str | None) -> dict:
     """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
-    samples, batches, seconds_load, seconds_forward, local {metric: value}; under a device mesh also
-    ``MESH_ROW_FIELDS``)."""
+    samples, batches, seconds_load, seconds_forward, local {metric: value}, net {host, node, node_rank,
+    interface, address, ifname_source}; under a device mesh also ``MESH_ROW_FIELDS``)."""
+    net = row.get("net") or {}
+    host = net.get("host") or host
     fwd = row["seconds_forward"]
     warm, warm_samples = float(row.get("seconds_warmup") or 0.0), int(row.get("samples_warmup") or 0)
     steady = fwd - warm if fwd else 0.0
@@ -478,6 +521,8 @@ def per_rank_record(row: dict, host: str | None) -> dict:
             "metrics": dict(row.get("local") or {}),
             "seconds": {"load": row["seconds_load"], "forward": fwd, "warmup": warm},
             "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None,
+            "node": net.get("node"), "node_rank": net.get("node_rank"), "interface": net.get("interface"),
+            "address": net.get("address"), "ifname_source": net.get("ifname_source"),
             **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
 
 

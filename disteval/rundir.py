@@ -33,6 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from disteval.errors import DiskFullError, DistevalError
+from disteval.common import netif
 from disteval.records import FULL_ERRNOS, boot_id, free_bytes
 
 LOCK = ".disteval.lock"
@@ -212,6 +213,19 @@ def external_rank() -> int | None:
     return None
 
 
+def leads_nodes(cfg: DictConfig) -> bool:
+    """True unless this is a multi-node launch (``dist.nnodes`` > 1) on a node other than the one that hosts the
+    rendezvous (``dist.node_rank`` 0, or the node owning ``dist.rdzv_endpoint``'s address): that node claims the
+    run directory and writes launch.json; the others only start their ranks (which agree on rank 0's run
+    directory), so that nodes sharing a filesystem do not refuse each other's claim."""
+    if int(OmegaConf.select(cfg, "dist.nnodes", default=1) or 1) <= 1:
+        return True
+    if cfg.dist.get("node_rank") is not None:
+        return int(cfg.dist.node_rank) == 0
+    host = str(cfg.dist.rdzv_endpoint).rpartition(":")[0]
+    return netif.resolve(host) in set(netif.interface_addresses().values())
+
+
 class RunDirGuard(Callback):
     """Hydra callback (conf/config.yaml ``hydra.callbacks.run_dir_guard``): claim ``hydra.run.dir`` before Hydra
     writes .hydra/ into it (``on_run_start``; under an external launcher the other ranks only check that the
@@ -227,6 +241,8 @@ class RunDirGuard(Callback):
             if external_rank() not in (None, 0):
                 _check_shared(run_dir, overwrite)
                 return
+            if not leads_nodes(config):  # another node's driver claims it (a shared folder) or its own ranks'
+                return                   # records go to this node's disk only
             names = RECORDS if external_rank() is None else SHARED_RECORDS
             for note in claim_run_dir(run_dir, overwrite, names):
                 print(f"disteval: warning: {note}", file=sys.stderr)

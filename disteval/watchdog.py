@@ -67,6 +67,9 @@ class Watchdog:
         self.timeout_s, self.beat_s = timing
         self.parent_pid = parent_pid
         self.on_fatal: Callable[[BaseException], None] = self._die
+        # a peer's record: its status.json by default; RankContext.read_peer (the rendezvous store when the run
+        # directory is node-local) for launched ranks
+        self.read: Callable[[int], dict | None] = lambda r: read_status(self.run_dir(), r)
         self._seen: dict[int, tuple[float, float]] = {}  # peer -> (last heartbeat value, monotonic time it changed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"disteval-watchdog-rank{rank}", daemon=True)
@@ -100,7 +103,7 @@ class Watchdog:
                                   f"(killed or crashed): rank {self.rank} stops itself; no results are written")
         now = time.monotonic()
         for r in self.peers():
-            s = read_status(self.run_dir(), r)
+            s = self.read(r)
             if not s or s.get("phase") in ("done", "failed") or s.get("t_heartbeat") is None:
                 continue
             beat = float(s["t_heartbeat"])

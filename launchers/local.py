@@ -14,9 +14,11 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
+from disteval.common.netif import node_id
 from disteval.errors import RankFailedError, RunInterrupted
 from disteval.records import pid_alive, read_status
 from launchers.culprit import find_culprit
@@ -76,10 +78,13 @@ class Reaper:
 
     def _loop(self) -> None:
         failed_at = None
-        host = socket.gethostname()
+        host, node = socket.gethostname(), node_id()
         while not self._stop.wait(self.poll_s):
             records = [read_status(self.run_dir, r) for r in range(self.world_size)]
-            mine = [s for s in records if s and s.get("host") == host and s.get("pid")]
+            # this node's ranks only: a pid means nothing on another node (nodes in namespaces share one kernel
+            # and hostname-less records of older versions match on the host)
+            mine = [s for s in records if s and s.get("pid") and not s.get("relayed")
+                    and (s.get("node") == node if s.get("node") else s.get("host") == host)]
             ended = any(s.get("phase") == "failed" or (s.get("phase") != "done" and not pid_alive(s["pid"]))
                         for s in mine)
             if ended and failed_at is None:
@@ -95,9 +100,44 @@ class Reaper:
                 return
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of a multi-node launch meet (``dist.nnodes``, ``dist.node_rank``, ``dist.rdzv_endpoint``,
+    ``dist.local_addr``, ``communication.timeout_s``). ``node_rank`` None: torch's c10d rendezvous (the node
+    owning the endpoint's address hosts the store; node order chosen by the rendezvous); an int: the static
+    rendezvous of ``torchrun --node-rank`` (node 0 hosts the store at the endpoint). The run id, which every
+    node must share, is derived from the endpoint."""
+
+    nnodes: int = 1
+    endpoint: str | None = None
+    node_rank: int | None = None
+    local_addr: str | None = None
+    timeout_s: float = 300.0
+
+    @classmethod
+    def from_config(cls, dist_cfg: Any, timeout_s: float) -> "Rendezvous":
+        return cls(int(dist_cfg.get("nnodes") or 1), dist_cfg.get("rdzv_endpoint"), dist_cfg.get("node_rank"),
+                   dist_cfg.get("local_addr"), float(timeout_s))
+
+    @property
+    def run_id(self) -> str:
+        return "disteval-" + re.sub(r"[^A-Za-z0-9]+", "-", str(self.endpoint)).strip("-")
+
+    def launch_config(self, world_size: int) -> dict:
+        """The LaunchConfig fields of a multi-node launch (``world_size`` = ranks over all nodes)."""
+        static = self.node_rank is not None
+        configs = {"join_timeout": int(self.timeout_s), "timeout": int(self.timeout_s),
+                   **({"rank": int(self.node_rank)} if static else {})}
+        return dict(min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=world_size // self.nnodes,
+                    run_id=self.run_id, rdzv_backend="static" if static else "c10d", rdzv_endpoint=self.endpoint,
+                    rdzv_configs=configs, local_addr=self.local_addr)
+
+
 def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str,
-           master_addr: str = "127.0.0.1", master_port: int = 0, allocator: AllocatorChoice | None = None) -> dict[int, Any]:
-    """Run ``entry(*args)`` in ``world_size`` local ranks (env:// variables set) and wait for all of them.
+           master_addr: str = "127.0.0.1", master_port: int = 0, allocator: AllocatorChoice | None = None,
+           rendezvous: Rendezvous | None = None) -> dict[int, Any]:
+    """Run ``entry(*args)`` in ``world_size`` local ranks (env:// variables set) and wait for all of them; with
+    a multi-node ``rendezvous`` (nnodes > 1), ``world_size`` is the total and this node runs its share.
 
     ``entry`` must be importable (spawn start method) and should record its errors in
     RUN_DIR/ranks/rank{r}/status.json (as ``disteval.engine.run_rank`` does). Returns {rank: return value}.
@@ -118,10 +158,13 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn", shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
+    if rendezvous is not None and rendezvous.nnodes > 1:
+        placement = rendezvous.launch_config(world_size)
+    else:
+        placement = dict(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
+                         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}")
+    config = LaunchConfig(**placement, max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                          shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
     reaper = Reaper(run_dir, world_size)
     if allocator is not None and allocator.changes_env:
         from multiprocessing import resource_tracker
@@ -163,12 +206,14 @@ def run_single(entry: Callable[..., Any], args: tuple) -> Any:
 
 
 def launch_local(cfg_container: dict, run_dir: str, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int = 0, allocator: AllocatorChoice | None = None) -> None:
+                 master_port: int = 0, allocator: AllocatorChoice | None = None,
+                 rendezvous: Rendezvous | None = None) -> None:
     """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.engine.worker_entry``) and wait;
-    ``allocator``: the ranks' malloc (see ``launch``).
+    ``allocator``: the ranks' malloc (see ``launch``); ``rendezvous``: a multi-node launch (this node's share of
+    the ranks; the ranks agree on rank 0's run directory).
 
     Raises RankFailedError naming the first failing rank and its own error when any rank fails.
     """
     from disteval.engine import worker_entry
 
-    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, master_addr, master_port, allocator)
+    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, master_addr, master_port, allocator, rendezvous)

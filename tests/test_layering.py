@@ -13,7 +13,7 @@ PACKAGES = ("disteval", "launchers", "hydra_plugins", "diagnostics")
 
 # layer of a module: the first matching prefix wins
 LAYERS = [
-    ("disteval.common", "leaf"), ("disteval.errors", "leaf"),
+    ("disteval.common", "leaf"), ("disteval.errors", "leaf"), ("disteval.testing", "leaf"),
     ("disteval.metrics", "metrics"), ("disteval.data", "data"), ("disteval.comm", "comm"),
     ("disteval.models", "models"), ("disteval.tasks", "tasks"),
     ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.resume", "support"),

@@ -1,0 +1,76 @@
+"""Status records through the rendezvous store: liveness without a shared filesystem.
+
+Every launched rank already reaches the launcher's TCPStore (``MASTER_ADDR:MASTER_PORT``: torchrun's agent
+store, shared with the ranks), so it is the side channel every rank has. Each rank publishes its status record
+(``disteval.records.StatusWriter``: phase, progress, heartbeat, error) under
+``disteval/<run id>/<restart>/status/<rank>``; peers read it from there when the run directory is not one
+shared folder (``detect_shared_filesystem``). The store is reached through a client of its own (not the
+process group's), with the collectives' timeout, so that a heartbeat from the watchdog thread never waits
+behind the main thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+
+class StoreBoard:
+    """One rank's view of every rank's status record in the rendezvous store.
+
+    ``host``/``port``: the store (MASTER_ADDR/MASTER_PORT); ``rank``; ``timeout_s``: seconds a store call may
+    take (``communication.timeout_s``). Raises RuntimeError (torch's) when the store cannot be reached."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timedelta(seconds=float(timeout_s))
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout, wait_for_workers=False)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"disteval/{run}/{attempt}", client)
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, timeout_s: float) -> "StoreBoard":
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, timeout_s)
+
+    def publish(self, record: dict) -> None:
+        """Put this rank's record (a JSON-able dict) in the store."""
+        self.store.set(f"status/{self.rank}", json.dumps(record, default=str))
+
+    def read(self, rank: int) -> dict | None:
+        """Rank ``rank``'s last published record, None when it has published none (or the store is gone)."""
+        key = f"status/{rank}"
+        try:
+            if not self.store.check([key]):
+                return None
+            return json.loads(self.store.get(key))
+        except (RuntimeError, ValueError):
+            return None
+
+    def read_all(self) -> list[dict | None]:
+        return [self.read(r) for r in range(self.world_size)]
+
+    def agree(self, name: str, value: str) -> list[str]:
+        """Every rank's ``value`` for ``name`` (each rank sets its own, then waits for all; the store's timeout
+        bounds the wait). A store round trip per rank, no collective of the process group."""
+        self.store.set(f"{name}/{self.rank}", value)
+        keys = [f"{name}/{r}" for r in range(self.world_size)]
+        self.store.wait(keys, self.timeout)
+        return [self.store.get(k).decode() for k in keys]
+
+
+def detect_shared_filesystem(board: StoreBoard, read_file: Callable[[int], dict | None]) -> bool:
+    """True when every rank sees every rank's own status.json in the run directory (one shared folder); False
+    when some rank's records are on another node's disk (node-local run directories). Every rank gets the same
+    answer (agreed through the store). ``read_file(rank)``: that rank's status.json as this rank sees it."""
+    board.agree("published", "1")  # every rank's record is in the store
+    mine = True
+    for r in range(board.world_size):
+        theirs, seen = board.read(r), read_file(r)
+        if not theirs or not seen or (seen.get("pid"), seen.get("node")) != (theirs.get("pid"), theirs.get("node")):
+            mine = False
+            break
+    return all(v == "1" for v in board.agree("sees_all", "1" if mine else "0"))

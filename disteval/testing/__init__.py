@@ -1,0 +1,1 @@
+"""Test tools that users and CI share (the network lab)."""
