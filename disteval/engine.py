@@ -37,7 +37,8 @@ from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
-from disteval.records import atomic_write_json, build_results, config_digest, rank_dir, read_status, write_results
+from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
+                              write_results)
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 from disteval.sync import SyncPolicy, check_tp_peers, synchronise
 from disteval.tasks import resolve_task
@@ -208,7 +209,6 @@ class RankRun:
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
-                "net": self.ctx.net,
                 **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 
@@ -289,6 +289,10 @@ class RankRun:
                "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
                "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
+               # each rank's host/node/interface/address from its record (its file, or the rendezvous store when
+               # the run directory is node-local), not from the synchronised rows: the rows' bytes stay the same
+               # in every node layout
+               "net": {r: ((ctx.read_peer(r) or {}).get("net") if r else ctx.net) for r in range(ctx.world_size)},
                "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total,
                                    sum(o["seconds_after_loop"] for o in outcomes))}
         results = build_results(cfg, run, last["rows"], metrics, extra={
@@ -396,7 +400,10 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
             run.outcomes.append(run.trial())
             ctx.status.update(trial=trial + 1, force=True)
         results = run.finish(t_total)
+        ctx.status.update(comm=ctx.comm.stats() if ctx.comm is not None else None)
         ctx.status.done()
+        if ctx.rank == 0 and ctx.filesystem == "node-local":  # the other nodes' last records, for the doctor
+            relay_records(ctx.run_dir, [ctx.read_peer(r) for r in range(ctx.world_size)], ctx.net["node"])
         run.ckpt_path.unlink(missing_ok=True)
         return results
     except BaseException as exc:

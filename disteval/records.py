@@ -507,12 +507,13 @@ def _torchvision_version() -> str:
 MESH_ROW_FIELDS = ("dp_rank", "tp_rank", "dummy_steps", "dummy_steps_planned")
 
 
-def per_rank_record(row: dict, host: str | None) -> dict:
+def per_rank_record(row: dict, net: dict | None) -> dict:
     """One ``per_rank`` entry of results.json from a rank's synchronised row (named fields: rank, start, end,
-    samples, batches, seconds_load, seconds_forward, local {metric: value}, net {host, node, node_rank,
-    interface, address, ifname_source}; under a device mesh also ``MESH_ROW_FIELDS``)."""
-    net = row.get("net") or {}
-    host = net.get("host") or host
+    samples, batches, seconds_load, seconds_forward, local {metric: value}; under a device mesh also
+    ``MESH_ROW_FIELDS``) and the rank's ``net`` record (host, node, node_rank, interface, address, ifname_source:
+    ``disteval.bootstrap``), {} or None when unknown."""
+    net = net or {}
+    host = net.get("host")
     fwd = row["seconds_forward"]
     warm, warm_samples = float(row.get("seconds_warmup") or 0.0), int(row.get("samples_warmup") or 0)
     steady = fwd - warm if fwd else 0.0
@@ -534,7 +535,9 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
     {load, total}, compute {mode, threads, deterministic, cudnn_benchmark}. ``rows``: every rank's row as
     synchronised. ``extra`` adds top-level fields (sampler, exact, trials, outliers, exclusion).
     Float NaN/inf become null."""
-    per_rank = [per_rank_record(row, (read_status(run["run_dir"], int(row["rank"])) or {}).get("host"))
+    nets = run.get("net") or {}
+    per_rank = [per_rank_record(row, nets.get(int(row["rank"])) or
+                                {"host": (read_status(run["run_dir"], int(row["rank"])) or {}).get("host")})
                 for row in rows]
     slowest = max((p["seconds"]["forward"] or 0.0 for p in per_rank), default=0.0)
     num_samples = run["num_samples"]

@@ -20,8 +20,9 @@ Link controls (all undone by ``heal``/``thaw`` or by ``stop``):
 - ``rate(node, mbit, peer=None)``: token-bucket shaping (tc tbf) of everything a node sends and receives, or,
   with ``peer``, of the node pair's traffic only (tc htb with a u32 filter on the peer's address, both ways);
 - ``partition(node, peer=None, how=...)``: ``down`` (the node's link down), ``blackhole`` (packets to the
-  peer, or to every other node, silently dropped: a silent partition) or ``prohibit`` (refused at once with
-  EACCES / ICMP prohibited);
+  peer, or to every other node, silently dropped both ways: a silent partition, through a sink veth and a
+  permanent neighbour entry, since this kernel has no dummy device and no tc drop action) or ``prohibit``
+  (refused at once, EACCES);
 - ``freeze(node)`` / ``thaw(node)``: SIGSTOP / SIGCONT every process in the node; ``kill(node)``: SIGKILL every
   process in it (the holder stays, so the node can run again).
 
@@ -329,7 +330,10 @@ class NetLab:
               "root"], check=False)
 
     def partition(self, name: str, peer: str | None = None, how: str = "blackhole") -> None:
-        """Cut node ``name`` off from ``peer`` (or from every other node): ``how`` = down | blackhole | prohibit."""
+        """Cut node ``name`` off from ``peer`` (or from every other node), both directions. ``how``: ``down`` (the
+        node's link down, no peer), ``blackhole`` (a silent partition: packets leave through a sink interface
+        to a MAC nobody owns and vanish; no error, TCP retries until its timeout) or ``prohibit`` (refused at
+        once: EACCES on connect)."""
         if how == "down":
             if peer is not None:
                 raise NetLabError("partition(how='down') takes the whole link down; give no peer")
@@ -338,8 +342,24 @@ class NetLab:
         if how not in ("blackhole", "prohibit"):
             raise NetLabError(f"partition how={how!r}: down, blackhole or prohibit")
         for other in ([peer] if peer else [n for n in self.members if n != name]):
-            self.sh(name, "ip", "route", "replace", how, f"{self.node(other).addr}/32")
-            self.sh(other, "ip", "route", "replace", how, f"{self.node(name).addr}/32")
+            for a, b in ((name, other), (other, name)):
+                dst = self.node(b).addr
+                if how == "prohibit":
+                    self.sh(a, "ip", "route", "replace", "prohibit", f"{dst}/32")
+                    continue
+                self._sink(a)
+                self.sh(a, "ip", "neigh", "replace", dst, "lladdr", "02:00:00:00:00:01", "dev", "sink0",
+                        "nud", "permanent")
+                self.sh(a, "ip", "route", "replace", f"{dst}/32", "dev", "sink0")
+
+    def _sink(self, name: str) -> None:
+        """A veth pair sink0/sink1 inside node ``name`` (made once): frames sent out of sink0 to an unknown MAC
+        arrive at sink1 and are dropped (the lab's kernel has neither the dummy device nor tc's drop action)."""
+        if self.sh(name, "ip", "link", "show", "sink0", check=False).returncode == 0:
+            return
+        self.sh(name, "ip", "link", "add", "sink0", "type", "veth", "peer", "name", "sink1")
+        self.sh(name, "ip", "link", "set", "sink0", "up")
+        self.sh(name, "ip", "link", "set", "sink1", "up")
 
     def heal(self, name: str) -> None:
         """Undo ``partition`` for node ``name`` (its link up, its /32 routes and its peers' routes to it gone)."""

@@ -465,7 +465,7 @@ def start_lab_cluster(lab, *, root: str | os.PathLike | None = None, controller:
         if not show("account", account, "format=account"):
             s.run(ctl, ["sacctmgr", "-i", "add", "account", account, f"Cluster={c.cluster_name}",
                         "Description=disteval-lab-tests", "Organization=disteval"])
-        if not show("assoc", f"where cluster={c.cluster_name}", f"account={account}", "user=root", "format=user"):
+        if not show("assoc", "where", f"cluster={c.cluster_name}", f"account={account}", "user=root", "format=user"):
             s.run(ctl, ["sacctmgr", "-i", "add", "user", "root", f"Account={account}", f"Cluster={c.cluster_name}"])
         if show("user", "root", "format=defaultaccount") != account:
             s.run(ctl, ["sacctmgr", "-i", "modify", "user", "root", "set", f"DefaultAccount={account}"])

@@ -1,0 +1,148 @@
+"""A real 2-node SLURM cluster on the network lab (scripts/slurm/lab_cluster.py on disteval/testing/netlab.py):
+one slurmd in each lab node n1, n2 (their own namespaces, hostnames and addresses 198.18.0.1/.2), the controller
+and accounting in n1, clients run inside n1. A job with 2 nodes x 2 tasks puts its tasks on both nodes and they
+talk over TCP through the lab's bridge; ``python -m disteval hydra/launcher=submitit_slurm`` with 4 ranks on
+2 nodes records hosts n1 and n2 (eth0, the lab addresses) and metrics equal to a 1-process run.
+
+The single-node cluster of scripts/slurm/start_cluster.sh is not used nor touched (own root, config, munge key,
+database, daemons; ports only inside the lab's namespaces). Skipped with the reason when SLURM/munge/MariaDB
+are not installed (scripts/slurm/start_cluster.sh installs them) or the lab cannot be made (not root)."""
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, load_results
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+_spec = importlib.util.spec_from_file_location("slurm_lab_cluster", REPO / "scripts" / "slurm" / "lab_cluster.py")
+lab_cluster = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))  # dataclasses need it there
+_spec.loader.exec_module(lab_cluster)
+
+
+@pytest.fixture(scope="module")
+def slab():
+    """(lab, cluster): a 2-node lab "slab" and its SLURM cluster, for the module."""
+    reason = lab_cluster.available()
+    if reason:
+        pytest.skip(reason)
+    from disteval.testing.netlab import NetLab
+
+    lab = NetLab(nodes=2, name="slab")
+    lab_cluster.stop_lab_cluster(lab.dir / "slurm")  # daemons a crashed earlier run left, stopped cleanly
+    try:
+        lab.start()
+        cluster = lab_cluster.start_lab_cluster(lab)
+    except BaseException:
+        lab_cluster.stop_lab_cluster(lab.dir / "slurm")
+        lab.stop()
+        raise
+    yield lab, cluster
+    lab_cluster.stop_lab_cluster(cluster)
+    lab.stop()
+
+
+@pytest.fixture
+def shared_dir(slab):
+    """A fresh folder every lab node sees (the nodes' /tmp are private), removed afterwards."""
+    lab, _ = slab
+    path = Path(tempfile.mkdtemp(prefix="t-", dir=lab.shared))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# Each task listens on a port, publishes (host, lab address, port) in the shared folder, connects to every other
+# task and records which source address each peer's connection came from.
+TCP_CHECK = textwrap.dedent("""
+    import json, os, socket, sys, threading, time
+    from pathlib import Path
+
+    out = Path(sys.argv[1])
+    rank, n = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    host = socket.gethostname()
+    addr = socket.gethostbyname(host)
+    srv = socket.create_server(("0.0.0.0", 0))
+    srv.settimeout(30)
+    tmp = out / f".addr{rank}"
+    tmp.write_text(json.dumps({"host": host, "addr": addr, "port": srv.getsockname()[1]}))
+    tmp.rename(out / f"addr{rank}.json")
+    accepted = []
+
+    def serve():
+        for _ in range(n - 1):
+            conn, (ip, _) = srv.accept()
+            with conn, conn.makefile("rw") as f:
+                accepted.append({"from_rank": int(f.readline()), "from_ip": ip})
+                f.write(f"{rank}\\n")
+                f.flush()
+
+    server = threading.Thread(target=serve)
+    server.start()
+    deadline = time.time() + 30
+    while len(list(out.glob("addr*.json"))) < n and time.time() < deadline:
+        time.sleep(0.05)
+    connected = []
+    for peer in range(n):
+        if peer != rank:
+            p = json.loads((out / f"addr{peer}.json").read_text())
+            with socket.create_connection((p["addr"], p["port"]), timeout=30) as conn, conn.makefile("rw") as f:
+                f.write(f"{rank}\\n")
+                f.flush()
+                connected.append({"to_rank": peer, "to_addr": p["addr"], "local_ip": conn.getsockname()[0],
+                                  "reply": int(f.readline())})
+    server.join(30)
+    (out / f"result{rank}.json").write_text(json.dumps({"rank": rank, "host": host, "addr": addr,
+                                                        "connected": connected, "accepted": accepted}))
+""")
+
+
+def test_two_nodes_two_tasks_each_talk_over_the_lab(slab, shared_dir):
+    lab, cluster = slab
+    (shared_dir / "tcp_check.py").write_text(TCP_CHECK)
+    (shared_dir / "job.sh").write_text(f"#!/bin/bash\nsrun {sys.executable} {shared_dir / 'tcp_check.py'} {shared_dir}\n")
+    proc = lab.run(cluster.controller, ["sbatch", "--wait", "--parsable", "--nodes=2", "--ntasks-per-node=2",
+                                        "--time=5", f"--output={shared_dir}/slurm-%j.out", str(shared_dir / "job.sh")],
+                   cwd=shared_dir, env=cluster.env(), timeout=120)
+    out = "".join(p.read_text() for p in shared_dir.glob("slurm-*.out"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{out}\n{cluster.logs_tail()}"
+    job_id = proc.stdout.strip().split(";")[0]
+    results = [json.loads((shared_dir / f"result{r}.json").read_text()) for r in range(4)]
+    hosts = {r["rank"]: r["host"] for r in results}
+    assert sorted(hosts.values()) == ["n1", "n1", "n2", "n2"], (hosts, out)
+    for r in results:
+        assert r["addr"] == cluster.nodes[r["host"]]  # the task really ran in that node's namespaces
+        assert sorted(c["to_rank"] for c in r["connected"]) == sorted(set(range(4)) - {r["rank"]})
+        assert sorted(a["from_rank"] for a in r["accepted"]) == sorted(set(range(4)) - {r["rank"]})
+        assert all(c["reply"] == c["to_rank"] for c in r["connected"])
+        for a in r["accepted"]:  # a peer on the other node came in from its own lab address: through the bridge
+            assert a["from_ip"] == cluster.nodes[hosts[a["from_rank"]]], (r, hosts)
+    # accounting answers from the other node too (submitit learns failed/cancelled states only from sacct)
+    sacct = lab.run("n2", ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"], env=cluster.env())
+    assert sacct.stdout.strip() == "COMPLETED|n[1-2]", sacct
+
+
+def test_disteval_on_two_nodes_through_submitit_equals_one_process(slab, shared_dir, cli):
+    """4 ranks as 2 nodes x 2 tasks (dist.ranks_per_node=2), the driver in n1: ranks 0-1 on n1 and 2-3 on n2,
+    each on its node's eth0 address, and the metrics equal a 1-process local run's exactly."""
+    lab, cluster = slab
+    run_dir = shared_dir / "run"
+    proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", "hydra/launcher=submitit_slurm",
+                                        "hydra.launcher.timeout_min=10", "dist.world_size=4", "dist.ranks_per_node=2",
+                                        f"hydra.run.dir={run_dir}"],
+                   cwd=shared_dir, env=cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}), timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    res = load_results(run_dir)
+    assert res["world_size"] == 4 and res["coverage"]["ok"]
+    rows = sorted(res["per_rank"], key=lambda p: p["rank"])
+    assert [p["host"] for p in rows] == ["n1", "n1", "n2", "n2"], rows
+    assert all(p["interface"] == "eth0" and p["address"] == cluster.nodes[p["host"]] for p in rows), rows
+    local_proc, local_dir = cli("dist.world_size=1")
+    assert local_proc.returncode == 0, local_proc.stderr[-3000:]
+    assert res["metrics"] == load_results(local_dir)["metrics"]
