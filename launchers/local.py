@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
+from disteval.common import netif
 from disteval.common.netif import node_id
 from disteval.errors import RankFailedError, RunInterrupted
 from disteval.records import pid_alive, read_status
@@ -128,6 +129,9 @@ class Rendezvous:
         static = self.node_rank is not None
         configs = {"join_timeout": int(self.timeout_s), "timeout": int(self.timeout_s),
                    **({"rank": int(self.node_rank)} if static else {})}
+        if not static:  # torch guesses from the hostname's addresses and misses a second interface's address
+            host = str(self.endpoint).rpartition(":")[0]
+            configs["is_host"] = netif.resolve(host) in set(netif.interface_addresses().values())
         return dict(min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=world_size // self.nnodes,
                     run_id=self.run_id, rdzv_backend="static" if static else "c10d", rdzv_endpoint=self.endpoint,
                     rdzv_configs=configs, local_addr=self.local_addr)

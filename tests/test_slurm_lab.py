@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,12 +108,20 @@ def test_two_nodes_two_tasks_each_talk_over_the_lab(slab, shared_dir):
     lab, cluster = slab
     (shared_dir / "tcp_check.py").write_text(TCP_CHECK)
     (shared_dir / "job.sh").write_text(f"#!/bin/bash\nsrun {sys.executable} {shared_dir / 'tcp_check.py'} {shared_dir}\n")
-    proc = lab.run(cluster.controller, ["sbatch", "--wait", "--parsable", "--nodes=2", "--ntasks-per-node=2",
-                                        "--time=5", f"--output={shared_dir}/slurm-%j.out", str(shared_dir / "job.sh")],
-                   cwd=shared_dir, env=cluster.env(), timeout=120)
-    out = "".join(p.read_text() for p in shared_dir.glob("slurm-*.out"))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{out}\n{cluster.logs_tail()}"
+    proc = lab.run(cluster.controller, ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=5",
+                                        f"--output={shared_dir}/slurm-%j.out", str(shared_dir / "job.sh")],
+                   cwd=shared_dir, env=cluster.env(), timeout=60)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     job_id = proc.stdout.strip().split(";")[0]
+    state, deadline = "", time.monotonic() + 120  # (sbatch --wait polls every few seconds: slower)
+    while time.monotonic() < deadline:
+        show = lab.run(cluster.controller, ["scontrol", "-o", "show", "job", job_id], env=cluster.env(), timeout=60)
+        state = show.stdout.split("JobState=")[1].split()[0] if "JobState=" in show.stdout else show.stderr.strip()
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(0.2)
+    out = "".join(p.read_text() for p in shared_dir.glob("slurm-*.out"))
+    assert state == "COMPLETED", f"job {job_id}: {state}\n{out}\n{cluster.logs_tail()}"
     results = [json.loads((shared_dir / f"result{r}.json").read_text()) for r in range(4)]
     hosts = {r["rank"]: r["host"] for r in results}
     assert sorted(hosts.values()) == ["n1", "n1", "n2", "n2"], (hosts, out)
@@ -124,7 +133,13 @@ def test_two_nodes_two_tasks_each_talk_over_the_lab(slab, shared_dir):
         for a in r["accepted"]:  # a peer on the other node came in from its own lab address: through the bridge
             assert a["from_ip"] == cluster.nodes[hosts[a["from_rank"]]], (r, hosts)
     # accounting answers from the other node too (submitit learns failed/cancelled states only from sacct)
-    sacct = lab.run("n2", ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"], env=cluster.env())
+    # (slurmctld sends the records to slurmdbd asynchronously: the end record may lag a moment)
+    deadline = time.monotonic() + 30
+    while True:
+        sacct = lab.run("n2", ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"], env=cluster.env())
+        if sacct.stdout.strip() == "COMPLETED|n[1-2]" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert sacct.stdout.strip() == "COMPLETED|n[1-2]", sacct
 
 

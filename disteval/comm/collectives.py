@@ -107,6 +107,7 @@ class Communicator:
         self.collectives = 0
         self.bytes = 0
         self.by_op: Counter = Counter()
+        self.bytes_by_op: Counter = Counter()
         self.chunked = 0
         self.compression: dict[str, dict] = {}
 
@@ -122,6 +123,7 @@ class Communicator:
         self.collectives += 1
         self.bytes += nbytes
         self.by_op[op] += 1
+        self.bytes_by_op[op] += nbytes
         if self.on_collective is not None:
             self.on_collective(op, nbytes)
 
@@ -129,8 +131,10 @@ class Communicator:
         self._note(op, t.numel() * t.element_size())
 
     def stats(self) -> dict:
-        """``{"collectives", "bytes", "by_op", "chunked", "compression"}`` for results.json."""
+        """``{"collectives", "bytes", "by_op", "bytes_by_op", "chunked", "compression"}`` for results.json (bytes:
+        what this rank handed to the collectives, per op in ``bytes_by_op``)."""
         return {"collectives": self.collectives, "bytes": self.bytes, "by_op": dict(self.by_op),
+                "bytes_by_op": dict(self.bytes_by_op),
                 "chunked": self.chunked, "compression": dict(self.compression)}
 
     def _run(self, op: str, numel: int, itemsize: int, launch: Callable[[int, int, bool], object],

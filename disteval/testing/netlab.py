@@ -169,7 +169,7 @@ class NetLab:
 
     def start(self) -> "NetLab":
         """Create the bridge namespace, the nodes and their links; check containment. Cleans a stale lab of the
-        same name first. Raises NetLabError (after undoing what was made) when a step fails."""
+        same name first and empties the lab's folder (``base/name``). Raises NetLabError (after undoing what was made) when a step fails."""
         if len(self.name) > 6 or not self.name.isalnum():
             raise NetLabError(f"lab name {self.name!r}: at most 6 letters or digits (interface names are short)")
         if not 1 <= self.nodes <= 200:
@@ -183,6 +183,7 @@ class NetLab:
         return self
 
     def _build(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)  # a fresh lab: no run directories of an earlier one
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shared.mkdir(exist_ok=True)
         # containment in the machine's own namespace: lab addresses are never routed out
