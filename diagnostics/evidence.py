@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ class Run:
     results: dict | None = None
     statuses: dict[int, dict | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # records that exist but could not be read
+    unseen: list[str] = field(default_factory=list)  # what lies on other nodes' disks (node-local run directories)
     derived: dict[str, Any] = field(default_factory=dict)  # values computed once from the records (the culprit)
 
     @property
@@ -157,7 +159,29 @@ def load_run(path: str | Path) -> Run:
     for r in sorted(set(ranks) | set(range(size))):
         run.statuses[r] = _read_json(path / "ranks" / f"rank{r}" / "status.json", run,
                                      {"phase": str, "samples_done?": int, "samples_planned?": int})
+    run.unseen = unseen_records(run)
     return run
+
+
+def unseen_records(run: Run) -> list[str]:
+    """What the doctor cannot see from this directory alone: ranks whose status record is a copy relayed
+    through the rendezvous store (their own records, log.txt and batches.json are on their node's disk), and
+    ranks with no record here at all. One line per node."""
+    by_node: dict[str, list[int]] = {}
+    for r, s in sorted(run.statuses.items()):
+        if s and s.get("relayed"):
+            by_node.setdefault(str(s.get("host")), []).append(r)
+    lines = []
+    for host, ranks in by_node.items():
+        seen = max(float(run.statuses[r].get("t_update") or 0) for r in ranks)
+        lines.append(f"ranks {', '.join(map(str, ranks))} on node {host}: status as relayed through the rendezvous "
+                     f"store (last seen {time.strftime('%H:%M:%S', time.localtime(seen))}); their own records, "
+                     f"log.txt and batches.json are on {host}'s disk under the same run directory")
+    missing = [r for r, s in sorted(run.statuses.items()) if s is None]
+    if missing and ((run.results or {}).get("filesystem") == "node-local" or by_node):
+        lines.append(f"ranks {', '.join(map(str, missing))}: no record here (node-local run directories: look on "
+                     "their nodes)")
+    return lines
 
 
 def find_runs(path: str | Path) -> list[Path]:

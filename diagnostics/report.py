@@ -72,6 +72,7 @@ def as_dict(diag: Diagnosis, probes: dict | None = None, attempts: list[dict] | 
         "checks": [f.as_dict() for f in diag.findings],
         "probes": probes,
         "attempts": attempts or [],
+        "unseen": list(diag.run.unseen),
     }
 
 
@@ -91,6 +92,8 @@ def print_diagnosis(diag: Diagnosis, console: Console, verbose: bool = False) ->
             remedy = escape(remedy) + f"\n[dim]{escape(f.remedy.why)}[/]"
         table.add_row(MARKS[f.status], f.state, f.check, escape(f.finding), ev, remedy)
     console.print(table)
+    for line in diag.run.unseen:
+        console.print(f"[yellow]not seen from here:[/] {escape(line)}", soft_wrap=True, highlight=False)
     skipped = sum(f.status == "skipped" for f in diag.findings)
     if skipped and not verbose:
         console.print(f"[dim]{skipped} check(s) skipped for lack of records (--verbose lists them)[/]", highlight=False)

@@ -175,6 +175,8 @@ def test_node_local_run_directories(lab):
     doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(n1)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert doctor.returncode == 0, doctor.stdout[-3000:] + doctor.stderr[-2000:]
+    said = " ".join(doctor.stdout.split())
+    assert "not seen from here: ranks 2, 3 on node n2: status as relayed through the rendezvous store" in said, said
 
 
 def test_loopback_hostname_refused_before_the_rendezvous(lab):

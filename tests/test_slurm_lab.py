@@ -106,8 +106,9 @@ TCP_CHECK = textwrap.dedent("""
 
 def test_two_nodes_two_tasks_each_talk_over_the_lab(slab, shared_dir):
     lab, cluster = slab
+    lab.check_containment()  # the cluster added no address or route: the nodes still reach only each other
     (shared_dir / "tcp_check.py").write_text(TCP_CHECK)
-    (shared_dir / "job.sh").write_text(f"#!/bin/bash\nsrun {sys.executable} {shared_dir / 'tcp_check.py'} {shared_dir}\n")
+    (shared_dir / "job.sh").write_text(f"#!/bin/bash\nsrun {sys.executable} {shared_dir}/tcp_check.py {shared_dir}\n")
     proc = lab.run(cluster.controller, ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=5",
                                         f"--output={shared_dir}/slurm-%j.out", str(shared_dir / "job.sh")],
                    cwd=shared_dir, env=cluster.env(), timeout=60)
@@ -151,7 +152,8 @@ def test_disteval_on_two_nodes_through_submitit_equals_one_process(slab, shared_
     proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", "hydra/launcher=submitit_slurm",
                                         "hydra.launcher.timeout_min=10", "dist.world_size=4", "dist.ranks_per_node=2",
                                         f"hydra.run.dir={run_dir}"],
-                   cwd=shared_dir, env=cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}), timeout=300)
+                   cwd=shared_dir, env=cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}),
+                   timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = load_results(run_dir)
     assert res["world_size"] == 4 and res["coverage"]["ok"]

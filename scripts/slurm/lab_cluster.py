@@ -64,7 +64,7 @@ NODE_DIR = "/tmp/slurm-lab"  # in each node's private /tmp: munge socket, PID fi
 # Inside the lab's network namespaces only, so the usual ports cannot clash with the machine's (or the
 # single-node cluster's 1681x ports in the machine's namespace).
 CTLD_PORT, SLURMD_PORT, DBD_PORT, DB_PORT = 6817, 6818, 6819, 3306
-DAEMONS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "mariadb-install-db", "sbatch", "srun",
+COMMANDS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "mariadb-install-db", "sbatch", "srun",
            "sinfo", "sacct", "sacctmgr", "scontrol", "scancel", "squeue", "munge", "unmunge", "mariadb",
            "mariadb-admin", "nsenter")
 ACCOUNTING_ONLY = ("slurmdbd", "mariadbd", "mariadb-install-db", "mariadb", "mariadb-admin", "sacctmgr")
@@ -124,7 +124,7 @@ def available(accounting: bool = True) -> str | None:
     _importable()
     from disteval.testing.netlab import NetLab
 
-    missing = [c for c in DAEMONS if (accounting or c not in ACCOUNTING_ONLY) and shutil.which(c) is None]
+    missing = [c for c in COMMANDS if (accounting or c not in ACCOUNTING_ONLY) and shutil.which(c) is None]
     if missing:
         return (f"no SLURM/munge{'/MariaDB' if accounting else ''} commands ({', '.join(missing)}): "
                 "scripts/slurm/start_cluster.sh installs them")
@@ -260,7 +260,8 @@ KillWait=5
 MinJobAge=300
 Waittime=0
 
-{nodes}PartitionName={c.partition} Nodes={','.join(c.nodes)} Default=YES MaxTime=INFINITE MaxCPUsPerNode={c.cpus} State=UP
+{nodes}PartitionName={c.partition} Nodes={','.join(c.nodes)} Default=YES MaxTime=INFINITE MaxCPUsPerNode={c.cpus} \
+State=UP
 """
 
 
@@ -284,7 +285,7 @@ StorageLoc=slurm_acct_db
 
 
 def _my_cnf(c: LabCluster) -> str:
-    return f"""# Written by disteval scripts/slurm/lab_cluster.py: MariaDB for the lab cluster's slurmdbd, in node {c.controller}.
+    return f"""# Written by disteval scripts/slurm/lab_cluster.py: MariaDB for the slurmdbd of the lab cluster.
 [mysqld]
 datadir={c.root}/mysql
 socket={NODE_DIR}/mysqld.sock
@@ -330,8 +331,9 @@ class _Starter:
             if ok(proc):
                 return proc
             if time.monotonic() > deadline:
-                self.die(f"timed out after {self.wait_s:.0f}s waiting for {what} (last: {' '.join(args)}: "
-                         f"rc={proc.returncode} {(proc.stdout or '').strip()[-300:]} {(proc.stderr or '').strip()[-300:]})")
+                last = f"{(proc.stdout or '').strip()[-300:]} {(proc.stderr or '').strip()[-300:]}"
+                self.die(f"timed out after {self.wait_s:.0f}s waiting for {what} "
+                         f"(last: {' '.join(args)}: rc={proc.returncode} {last})")
             time.sleep(0.2)
 
     def pidfile(self, node: str, name: str) -> Path:
@@ -479,7 +481,8 @@ def start_lab_cluster(lab, *, root: str | os.PathLike | None = None, controller:
             break
         for n, st in bad.items():
             if "inval" in st:
-                s.die(f"node {n} is INVAL: {s.run(ctl, ['sinfo', '-h', '-N', '-n', n, '-o', '%E'], check=False).stdout}")
+                why = s.run(ctl, ["sinfo", "-h", "-N", "-n", n, "-o", "%E"], check=False).stdout.strip()
+                s.die(f"node {n} is INVAL: {why}")
             if "drain" in st or st.startswith("down"):
                 s.run(ctl, ["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
         if time.monotonic() > deadline:
