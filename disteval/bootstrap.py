@@ -127,7 +127,9 @@ def _network(env: RankEnv | None) -> dict:
                             "--local-addr ADDR / --rdzv-endpoint ADDR:PORT, disteval dist.local_addr=ADDR) or fix "
                             "/etc/hosts")
     chosen = netif.apply_socket_ifname(master)
-    info.update(node_rank=int(os.environ.get("GROUP_RANK", 0)), interface=chosen["interface"],
+    # torchrun/elastic: GROUP_RANK; srun (submitit): SLURM_NODEID
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0"))
+    info.update(node_rank=int(node_rank), interface=chosen["interface"],
                 address=chosen["address"], ifname_source=chosen["source"])
     return info
 

@@ -9,6 +9,7 @@ Needs root and namespaces (CI has both; elsewhere the module skips with the reas
 from __future__ import annotations
 
 import itertools
+import os
 import json
 import subprocess
 import sys
@@ -302,3 +303,46 @@ def test_rate_limit_partition_freeze_kill(lab):
     lab.kill("n4")
     assert sleeper.wait(timeout=10) == -9 or lab.pids("n4") == []
     assert lab.pids("n4") == []
+
+
+@pytest.mark.parametrize("where", ["shared", "node-local"])
+@pytest.mark.parametrize("fault", ["error@3:batch=2", "kill@3:batch=2"])
+def test_failure_on_another_node_is_named(lab, where, fault):
+    """Rank 3 (on n2) raises, or is SIGKILLed, after its 2nd batch. Every node's driver exits 1 within about
+    one timeout; n1's (rank 0's) names rank 3 as the culprit, with its own error where it had one, from the
+    shared run directory or, when the run directories are node-local, from what rank 3 published in the
+    rendezvous store (relayed into n1's directory); no results.json anywhere; the doctor on n1's directory
+    alone blames rank 3."""
+    name = f"fail_{fault.split('@')[0]}_{where}"
+    run_dir = lab.shared / name if where == "shared" else f"/tmp/{name}"
+    endpoint = f"198.18.0.1:{next(_ports)}"
+    env = dict(os.environ, DISTEVAL_FAULTS=fault)
+    commands = {n: _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}",
+                             f"hydra.run.dir={run_dir}", "communication.timeout_s=20", "data.batch_size=16")
+                for n in ("n1", "n2")}
+    t0 = time.monotonic()
+    procs = {n: lab.popen(n, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n, cmd in commands.items()}
+    outs = {n: p.communicate(timeout=180) for n, p in procs.items()}
+    took = time.monotonic() - t0
+    for n, p in procs.items():
+        assert p.returncode == 1, f"{n}: exit {p.returncode}\n{outs[n][1][-3000:]}"
+    assert took < 90, took
+    n1_dir = Path(run_dir) if where == "shared" else lab.node("n1").tmp / name
+    said = " ".join(outs["n1"][1].split())
+    assert "rank 3" in said, said[-3000:]
+    if fault.startswith("error"):
+        assert "RuntimeError" in said, said[-3000:]
+    else:
+        assert "SIGKILL" in said or "heartbeat" in said or "stopped" in said, said[-3000:]
+    assert not (n1_dir / "results.json").exists()
+    if where == "node-local":
+        assert not (lab.node("n2").tmp / name / "results.json").exists()
+        assert json.loads((n1_dir / "ranks" / "rank3" / "status.json").read_text())["relayed"] is True
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(n1_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = json.loads(doctor.stdout)["runs"][0]
+    assert doctor.returncode == 1 and report["culprit_rank"] == 3, doctor.stdout[-3000:]
+    for n in ("n1", "n2"):  # nothing of the run survives on either node
+        left = [p for p in lab.pids(n) if b"disteval" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert left == [], (n, left)

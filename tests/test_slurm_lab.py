@@ -159,6 +159,7 @@ def test_disteval_on_two_nodes_through_submitit_equals_one_process(slab, shared_
     assert res["world_size"] == 4 and res["coverage"]["ok"]
     rows = sorted(res["per_rank"], key=lambda p: p["rank"])
     assert [p["host"] for p in rows] == ["n1", "n1", "n2", "n2"], rows
+    assert [p["node_rank"] for p in rows] == [0, 0, 1, 1], rows  # SLURM_NODEID under srun
     assert all(p["interface"] == "eth0" and p["address"] == cluster.nodes[p["host"]] for p in rows), rows
     local_proc, local_dir = cli("dist.world_size=1")
     assert local_proc.returncode == 0, local_proc.stderr[-3000:]
