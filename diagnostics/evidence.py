@@ -50,6 +50,7 @@ class Run:
     statuses: dict[int, dict | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # records that exist but could not be read
     unseen: list[str] = field(default_factory=list)  # what lies on other nodes' disks (node-local run directories)
+    node_launches: dict[str, dict] = field(default_factory=dict)  # host -> nodes/<host>/launch.json (multi-node)
     derived: dict[str, Any] = field(default_factory=dict)  # values computed once from the records (the culprit)
 
     @property
@@ -159,6 +160,10 @@ def load_run(path: str | Path) -> Run:
     for r in sorted(set(ranks) | set(range(size))):
         run.statuses[r] = _read_json(path / "ranks" / f"rank{r}" / "status.json", run,
                                      {"phase": str, "samples_done?": int, "samples_planned?": int})
+    for p in sorted((path / "nodes").glob("*/launch.json")):
+        record = _read_json(p, run, {"outcome": str})
+        if record is not None:
+            run.node_launches[p.parent.name] = record
     run.unseen = unseen_records(run)
     return run
 

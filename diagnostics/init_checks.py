@@ -142,12 +142,54 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
                        Remedy([], "rerun: the interrupt came from outside the run"), phase="running")
     if launch.get("outcome") == "running":
         return _driver_running(run, ev)
+    if err.get("type") == "RendezvousError":
+        return _rendezvous_failed(run, err, ev)
     if launch.get("outcome") == "failed" and not any(run.statuses.values()):
         return _driver_failed_first(launch, ev)
     if launch.get("outcome") == "failed":
         return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s); the run failed: "
                        f"{str(err.get('message'))[:200]} (the checks below say why)", ev)
     return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s)", ev)
+
+
+def _node_saw(err: dict) -> str:
+    endpoint = err.get("endpoint")
+    return {"timeout": f"waited {float(err.get('seconds') or 0):.0f} s at {endpoint} for {err.get('nnodes')} nodes "
+                       "and the other node(s) never joined",
+            "unreachable": f"could not reach the rendezvous store at {endpoint} ({err.get('cause')})",
+            "closed": f"saw the rendezvous at {endpoint} closed by another node"}.get(err.get("reason"),
+                                                                                 str(err.get("message")))
+
+
+def _rendezvous_failed(run: Run, err: dict, ev: list[Evidence]) -> Finding:
+    """A multi-node launch whose nodes never met (``disteval.errors.RendezvousError`` in launch.json): what
+    each node saw (this directory's launch.json and the other nodes' ``nodes/<host>/launch.json`` where a
+    shared folder holds them), and which node never joined. Nothing in the config changes it: ``--apply``
+    does not rerun."""
+    node, endpoint = err.get("node"), err.get("endpoint")
+    ev = ev + [Evidence("launch.json", str(v), field=f"error.{k}") for k, v in
+               (("node", node), ("endpoint", endpoint), ("reason", err.get("reason")), ("cause", err.get("cause")))
+               if v]
+    sides = [f"node {node} {_node_saw(err)}"]
+    never = []
+    for host, rec in sorted(run.node_launches.items()):
+        other = rec.get("error") or {}
+        src = f"nodes/{host}/launch.json"
+        if other.get("type") == "RendezvousError":
+            sides.append(f"node {host} {_node_saw(other)}")
+            ev.append(Evidence(src, str(other.get("cause") or other.get("reason")), field="error.cause"))
+            if other.get("reason") == "unreachable":
+                never.append(host)
+        else:
+            sides.append(f"node {host}: {rec.get('outcome')} ({str(other.get('message'))[:120]})" if other else
+                         f"node {host}: {rec.get('outcome')}")
+            ev.append(Evidence(src, str(rec.get("outcome")), field="outcome"))
+    who = f"node(s) {', '.join(never)} never reached the rendezvous; " if never else ""
+    return Finding("INIT", "launch", "fail", f"not all nodes started: {who}{'; '.join(sides)}", ev,
+                   Remedy([], f"check the network connection between the nodes: can every node reach {endpoint} "
+                          "(routes, firewall on the port)? does every node run the same command (dist.nnodes, "
+                          "dist.rdzv_endpoint)? then restart the job on every node", changes_cause=False),
+                   phase="rendezvous")
 
 
 def _no_launch_record(run: Run) -> Finding:

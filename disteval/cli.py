@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import socket
 import sys
 
 import hydra
@@ -26,7 +27,8 @@ from disteval import driverlog
 from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
 from disteval.config import DistevalConfig, conf_dir, register_schemas
-from disteval.errors import ConfigError, DiskFullError, DistevalError, RankFailedError, RunInterrupted
+from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
+                             RunInterrupted)
 from disteval import rundir
 from disteval.records import LaunchRecord
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
@@ -105,11 +107,16 @@ def _claim(run_dir: str, overwrite: bool, names: tuple[str, ...]) -> int:
 
 def _run_claimed(cfg: DictConfig, hc, run_dir: str, external: bool, launcher: str) -> int:
     record = None
-    if not external and leads_nodes(cfg):
-        record = LaunchRecord(run_dir, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
+    if not external:  # the node that leads a multi-node launch writes launch.json, the others nodes/<host>/launch.json
+        where = run_dir if leads_nodes(cfg) else os.path.join(run_dir, "nodes", socket.gethostname())
+        nodes = int(cfg.dist.get("nnodes") or 1)
+        os.makedirs(where, exist_ok=True)
+        record = LaunchRecord(where, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
                               overrides=list(hc.overrides.task), hydra_launcher=launcher or "basic",
                               world_size=int(cfg.dist.world_size), master_addr=str(cfg.dist.master_addr),
-                              master_port=int(cfg.dist.master_port), faults=os.environ.get("DISTEVAL_FAULTS"))
+                              master_port=int(cfg.dist.master_port), faults=os.environ.get("DISTEVAL_FAULTS"),
+                              **({"nnodes": nodes, "rdzv_endpoint": cfg.dist.rdzv_endpoint,
+                                  "node_rank": cfg.dist.node_rank} if nodes > 1 else {}))
     try:
         code, error = _run(cfg, run_dir, external, record)
     except BaseException as exc:  # an unexpected error still leaves a finished record
@@ -145,13 +152,14 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
                 _err.print(f"[yellow]disteval: warning[/] {escape(note)}", soft_wrap=True, highlight=False)
         if record is not None:
             record.start()
-    except DiskFullError as exc:
+    except (DiskFullError, RendezvousError) as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1, exc
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2, exc
-    driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice))
+    driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
+                                       1 if external else int(cfg.dist.get("nnodes") or 1)))
     try:
         _start_ranks(cfg, job, container, run_dir, external, choice)
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number

@@ -48,9 +48,14 @@ def composed(cfg: Any, external: bool) -> str:
             "and settings")
 
 
-def launching(external: bool, world_size: int, allocator: Any = None) -> str:
+def launching(external: bool, world_size: int, allocator: Any = None, nnodes: int = 1) -> str:
     """The step before the ranks run: how they start (``allocator``: the ranks' ``AllocatorChoice``; at world
-    size 1 one that changes the environment needs a rank process of its own)."""
+    size 1 one that changes the environment needs a rank process of its own; ``nnodes`` > 1: this node's share
+    of a multi-node launch)."""
+    if nnodes > 1:
+        malloc = f", malloc {allocator.name}" if allocator is not None and allocator.changes_env else ""
+        return (f"checks passed; starting this node's {world_size // nnodes} of {world_size} ranks ({nnodes} nodes"
+                f"{malloc}); they join once every node has reached the rendezvous")
     if external:
         return "checks passed; joining the external launcher's process group"
     if world_size == 1 and not (allocator is not None and allocator.changes_env):

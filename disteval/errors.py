@@ -64,3 +64,25 @@ class DiskFullError(DistevalError, OSError):
         """The fields recorded beside the message in status.json / launch.json."""
         return {"errno": self.errno_name, "path": self.path, "bytes_needed": self.bytes_needed,
                 "free_bytes": self.free_bytes}
+
+
+class RendezvousError(DistevalError):
+    """This node could not meet the other nodes of a multi-node launch (``dist.nnodes`` > 1): the rendezvous at
+    ``endpoint`` (HOST:PORT) timed out, could not be reached, or was closed. ``node`` is this node's hostname,
+    ``reason`` one of timeout | unreachable | closed, ``seconds`` the time waited (s), ``cause`` the error seen."""
+
+    def __init__(self, node: str, endpoint: str, reason: str, seconds: float, cause: str, nnodes: int):
+        self.node, self.endpoint, self.reason, self.seconds, self.cause, self.nnodes = (
+            node, endpoint, reason, float(seconds), cause, int(nnodes))
+        what = {"timeout": f"the other node(s) did not join within {seconds:.0f} s (dist.nnodes={nnodes}; "
+                           "communication.timeout_s bounds the wait)",
+                "unreachable": f"node {node} could not reach the rendezvous store there ({cause})",
+                "closed": "the rendezvous was closed by another node (it failed or was stopped)"}[reason]
+        super().__init__(f"node {node}: rendezvous at {endpoint} failed: {what}; check the network connection "
+                         f"between the nodes (can every node reach {endpoint}? same dist.nnodes and rdzv_endpoint on "
+                         "every node? a firewall on the port?)")
+
+    def details(self) -> dict:
+        """The fields recorded beside the message in launch.json."""
+        return {"node": self.node, "endpoint": self.endpoint, "reason": self.reason, "seconds": self.seconds,
+                "cause": self.cause, "nnodes": self.nnodes}

@@ -11,7 +11,7 @@ import torch
 from disteval.common import netif
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.config import validated
-from disteval.errors import ConfigError
+from disteval.errors import ConfigError, RendezvousError
 from disteval.models.builders import tp_split_problems, weights_plan
 from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
 from disteval.sync import SyncPolicy, check_sync_policy, sync_policy_notes
@@ -59,9 +59,10 @@ def check_multi_node(cfg: Any) -> None:
     if netif.resolve(host) is None:
         raise ConfigError("dist.rdzv_endpoint", f"node {socket.gethostname()}: cannot resolve the rendezvous host "
                           f"{host!r}")
-    if netif.route_to(host) is None:
-        raise ConfigError("dist.rdzv_endpoint", f"node {socket.gethostname()}: no route to the rendezvous host "
-                          f"{host} ({netif.resolve(host)}): check the network connection and this node's routes")
+    if netif.route_to(host) is None:  # a network fault, not a setting: exit 1 like a rendezvous that timed out
+        raise RendezvousError(socket.gethostname(), str(cfg.dist.rdzv_endpoint), "unreachable", 0.0,
+                              f"no route to host {netif.resolve(host)} from this node (link down or a prohibit route)",
+                              int(cfg.dist.nnodes))
     problem = netif.loopback_hostname_error(host, cfg.dist.get("local_addr"))
     if problem:
         raise ConfigError("dist.local_addr", problem)

@@ -20,7 +20,8 @@ from typing import Any, Callable
 from disteval.common.allocator import AllocatorChoice
 from disteval.common import netif
 from disteval.common.netif import node_id
-from disteval.errors import RankFailedError, RunInterrupted
+from disteval.errors import DistevalError, RankFailedError, RunInterrupted
+from disteval.errors import RendezvousError as RendezvousFailure
 from disteval.records import pid_alive, read_status
 from launchers.culprit import find_culprit
 
@@ -128,6 +129,7 @@ class Rendezvous:
         """The LaunchConfig fields of a multi-node launch (``world_size`` = ranks over all nodes)."""
         static = self.node_rank is not None
         configs = {"join_timeout": int(self.timeout_s), "timeout": int(self.timeout_s),
+                   "read_timeout": int(self.timeout_s),  # also bounds connecting to the store (a silent partition)
                    **({"rank": int(self.node_rank)} if static else {})}
         if not static:  # torch guesses from the hostname's addresses and misses a second interface's address
             host = str(self.endpoint).rpartition(":")[0]
@@ -157,6 +159,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     multiprocessing resource tracker, a helper of this process started on first use, is started before.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -174,6 +177,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # the driver's helper: started with the driver's own environment
+    t_start = time.monotonic()
     try:
         with reaper, (allocator.applied() if allocator is not None else contextlib.nullcontext()):
             return elastic_launch(config, entry)(*args)
@@ -189,8 +193,25 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
             error.error_type = recorded.get("type")
             error.error_details = {k: recorded.get(k) for k in ("errno", "path", "bytes_needed", "free_bytes")}
         raise error from None
+    except RendezvousError as exc:  # a multi-node launch whose nodes never met
+        raise _rendezvous_failure(exc, rendezvous, time.monotonic() - t_start) from None
     except SignalException as exc:  # the agent stopped every worker before re-raising
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
+
+
+def _rendezvous_failure(exc: BaseException, rendezvous: "Rendezvous | None", waited: float) -> DistevalError:
+    """torch's rendezvous error as a ``disteval.errors.RendezvousError`` naming this node, the endpoint, what
+    happened and the error seen (the innermost cause's text)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}".rstrip(": ")
+    reason = ("timeout" if isinstance(exc, RendezvousTimeoutError) else
+              "closed" if isinstance(exc, RendezvousClosedError) else "unreachable")
+    r = rendezvous or Rendezvous()
+    return RendezvousFailure(socket.gethostname(), str(r.endpoint), reason, waited, text, r.nnodes)
 
 
 def run_single(entry: Callable[..., Any], args: tuple) -> Any:

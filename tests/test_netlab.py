@@ -346,3 +346,39 @@ def test_failure_on_another_node_is_named(lab, where, fault):
     for n in ("n1", "n2"):  # nothing of the run survives on either node
         left = [p for p in lab.pids(n) if b"disteval" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert left == [], (n, left)
+
+
+@pytest.mark.parametrize("how", ["prohibit", "blackhole"])
+def test_node_cut_off_at_start(lab, how):
+    """n2 cannot reach n1 (a prohibit route: refused at once; a blackhole: silent). Both nodes stop within about
+    one timeout (communication.timeout_s=15, not torch's default 10 minutes), exit 1, and say what they saw:
+    n2 that it could not reach the endpoint, n1 that the other node never joined; the doctor on the shared run
+    directory (launch.json of n1, nodes/n2/launch.json of n2) names n2 as the node that never reached the
+    rendezvous, says "check the network connection", and its remedy is one --apply will not run."""
+    lab.partition("n2", how=how)
+    try:
+        endpoint = f"198.18.0.1:{next(_ports)}"
+        run_dir = lab.shared / f"cut_{how}"
+        commands = {n: _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}",
+                                 f"hydra.run.dir={run_dir}", "communication.timeout_s=15") for n in ("n1", "n2")}
+        t0 = time.monotonic()
+        procs = on_nodes(lab, commands, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        lab.heal("n2")
+    assert took < 50, took
+    for n, p in procs.items():
+        assert p.returncode == 1, f"{n}: exit {p.returncode}\n{p.stderr[-3000:]}"
+    n1_said, n2_said = (" ".join(procs[n].stderr.split()) for n in ("n1", "n2"))
+    assert f"node n1: rendezvous at {endpoint} failed: the other node(s) did not join" in n1_said, n1_said[-2000:]
+    assert f"node n2: rendezvous at {endpoint} failed: node n2 could not reach" in n2_said, n2_said[-2000:]
+    assert "check the network connection" in n2_said
+    assert json.loads((run_dir / "nodes" / "n2" / "launch.json").read_text())["error"]["reason"] == "unreachable"
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(run_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert (verdict["state"], verdict["check"]) == ("INIT", "launch"), verdict
+    assert "node(s) n2 never reached the rendezvous" in verdict["finding"], verdict["finding"]
+    assert "check the network connection" in report["remedy"]["why"]
+    assert report["remedy"]["changes_cause"] is False
