@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disteval.common.netif import node_id
 from disteval.records import boot_id, process_state
 
 from diagnostics.evidence import Evidence
@@ -66,7 +67,8 @@ def heartbeat(record: dict, source: str, now: float, default_s: float) -> tuple[
 
 def examine(record: dict, source: str, default_beat_s: float, now: float | None = None) -> ProcessView:
     """Whether the process that wrote ``record`` (at ``source``) is alive, by its pid on this machine (same
-    host and boot) or else by its heartbeat."""
+    host and boot, and same node identity where the record has one: ranks in network namespaces share the
+    kernel and the boot id) or else by its heartbeat."""
     now = time.time() if now is None else now
     pid, host, boot = record.get("pid"), record.get("host"), record.get("boot_id")
     ev = [Evidence(source, str(host), field="host"), Evidence(source, str(pid), field="pid")]
@@ -74,6 +76,12 @@ def examine(record: dict, source: str, default_beat_s: float, now: float | None 
     ev += hb_ev
     here, mine = socket.gethostname(), boot_id()
     beat_text = f"its heartbeat is {age:.0f} s old" if age is not None else "it records no heartbeat"
+    node = record.get("node")
+    if node and node != node_id() and host == here:  # same hostname, another node (namespace or boot)
+        here = f"{here} as node {node_id()}"
+        host = f"{host} as node {node}"
+    if node and node != node_id() and record.get("relayed"):
+        ev.append(Evidence(source, "true", field="relayed"))
     if host == here and boot and mine and boot != mine:
         ev.append(Evidence(source, str(boot), field="boot_id"))
         return ProcessView("dead", f"{host} rebooted since (boot_id {boot} is not this boot's {mine})", ev, age, fresh)

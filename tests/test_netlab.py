@@ -382,3 +382,30 @@ def test_node_cut_off_at_start(lab, how):
     assert "node(s) n2 never reached the rendezvous" in verdict["finding"], verdict["finding"]
     assert "check the network connection" in report["remedy"]["why"]
     assert report["remedy"]["changes_cause"] is False
+
+
+def test_external_torchrun_with_loopback_master_refused(lab):
+    """External ``torchrun --nnodes 2`` where n1's hostname resolves to 127.0.1.1 on n1: torchrun advertises
+    MASTER_ADDR=n1, which n1's ranks resolve to loopback (gloo would bind lo and n2 could never connect). n1's
+    ranks refuse before the process group, naming the node, MASTER_ADDR, what it resolves to and the fix; the
+    job ends within about one timeout on both nodes."""
+    hosts = lab.node("n1").root / "hosts"
+    original = hosts.read_text()
+    hosts.write_text(original.replace("198.18.0.1 n1\n", "") + "127.0.1.1 n1\n")
+    try:
+        # by name: with an address, torch's own c10d misses that n1 owns it (it compares the hostname's addresses)
+        # and no node hosts the store: torchrun itself fails after its 2-minute connect timeout
+        endpoint = f"n1:{next(_ports)}"
+        run_dir = lab.shared / "loopmaster"
+        t0 = time.monotonic()
+        procs = on_nodes(lab, {n: _torchrun(2, 2, endpoint, f"hydra.run.dir={run_dir}", "communication.timeout_s=15")
+                               for n in ("n1", "n2")}, timeout=150)
+        took = time.monotonic() - t0
+    finally:
+        hosts.write_text(original)
+    assert all(p.returncode != 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+    assert took < 60, took
+    said = " ".join((procs["n1"].stdout + procs["n1"].stderr).split())
+    assert "the ranks span several nodes but MASTER_ADDR=n1 resolves to 127.0.1.1, a loopback address" in said, \
+        said[-3000:]
+    assert "--local-addr" in said and "dist.local_addr" in said
