@@ -92,20 +92,37 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
     ctx.status.update(force=True, joined=time.time())
     cc, status = cfg.communication, ctx.status
     ctx.comm = Communicator("cpu" if ctx.backend == "gloo" else ctx.device,
-                            on_collective=lambda op, n: status.update(last_collective={"op": op, "bytes": n}),
+                            on_collective=lambda op, n: _collective_started(ctx, op, n),
                             async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
                             max_in_flight=cc.max_in_flight)
+    ctx.comm.on_complete = lambda record: _collective_finished(ctx, record)
     if agree_run_dir and env is not None:
         _agree_run_dir(ctx)
     if env is not None:
         ctx.board = StoreBoard.from_env(ctx.rank, ctx.world_size, float(cfg.communication.timeout_s))
         ctx.status.mirror = ctx.board.publish
         ctx.status.update(force=True, net=ctx.net)
+        ctx.board.publish_now(dict(ctx.status.record))
         shared = detect_shared_filesystem(ctx.board, lambda r: read_status(ctx.run_dir, r))
         ctx.filesystem = "shared" if shared else "node-local"
         ctx.status.update(force=True, filesystem=ctx.filesystem)
     log.info("rank %d/%d on %s, backend %s, device %s", ctx.rank, ctx.world_size, ctx.status.record["host"],
              ctx.backend, ctx.device)
+
+
+def _collective_started(ctx: RankContext, op: str, nbytes: int) -> None:
+    """status.json ``in_flight`` {op, bytes, since, peers} written (and published) before the collective runs:
+    the evidence that survives a rank killed or frozen inside it (the role of NCCL's flight recorder): which
+    collective, with which peers, how many bytes it was to move and since when."""
+    peers = [r for r in range(ctx.world_size) if r != ctx.rank]
+    ctx.status.update(force=True, last_collective={"op": op, "bytes": nbytes},
+                      in_flight={"op": op, "bytes": nbytes, "since": time.time(), "peers": peers})
+
+
+def _collective_finished(ctx: RankContext, record: dict) -> None:
+    """status.json: ``in_flight`` cleared, ``collectives_done`` the last finished ones {op, bytes, seconds, t_end}
+    (achieved throughput per collective: the doctor tells a slow link from a slow rank with it)."""
+    ctx.status.update(in_flight=None, collectives_done=list(ctx.comm.history)[-8:])
 
 
 def _network(env: RankEnv | None) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -31,14 +32,37 @@ class StoreBoard:
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = dist.PrefixStore(f"disteval/{run}/{attempt}", client)
+        self._latest: dict | None = None
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._send_loop, name=f"disteval-board-rank{rank}", daemon=True)
+        self._thread.start()
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float) -> "StoreBoard":
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, timeout_s)
 
     def publish(self, record: dict) -> None:
-        """Put this rank's record (a JSON-able dict) in the store."""
+        """Hand this rank's record (a JSON-able dict) to the sending thread, which puts the latest one in the
+        store: the caller (the main thread, before a collective) never waits on the network, and a record
+        superseded before it was sent is skipped."""
+        with self._wake:
+            self._latest = record
+            self._wake.notify()
+
+    def publish_now(self, record: dict) -> None:
+        """Put ``record`` in the store from this thread (waits up to the store's timeout)."""
         self.store.set(f"status/{self.rank}", json.dumps(record, default=str))
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._latest is None:
+                    self._wake.wait()
+                record, self._latest = self._latest, None
+            try:
+                self.publish_now(record)
+            except Exception:  # noqa: BLE001 - the store is gone or slow: peers see this rank go stale
+                pass
 
     def read(self, rank: int) -> dict | None:
         """Rank ``rank``'s last published record, None when it has published none (or the store is gone)."""
@@ -65,7 +89,8 @@ class StoreBoard:
 def detect_shared_filesystem(board: StoreBoard, read_file: Callable[[int], dict | None]) -> bool:
     """True when every rank sees every rank's own status.json in the run directory (one shared folder); False
     when some rank's records are on another node's disk (node-local run directories). Every rank gets the same
-    answer (agreed through the store). ``read_file(rank)``: that rank's status.json as this rank sees it."""
+    answer (agreed through the store). ``read_file(rank)``: that rank's status.json as this rank sees it. Each
+    rank must have put its record in the store first (``publish_now``)."""
     board.agree("published", "1")  # every rank's record is in the store
     mine = True
     for r in range(board.world_size):

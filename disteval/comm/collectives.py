@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from collections import Counter, deque
 from datetime import timedelta
 from typing import Callable
@@ -108,7 +109,11 @@ class Communicator:
         self.bytes = 0
         self.by_op: Counter = Counter()
         self.bytes_by_op: Counter = Counter()
+        self.seconds_by_op: Counter = Counter()
         self.chunked = 0
+        self.history: deque = deque(maxlen=32)  # the last finished collectives: {op, bytes, seconds, t_end}
+        self.on_complete: Callable[[dict], None] | None = None
+        self._open: list[tuple[str, int, float]] = []  # noted, not yet finished: (op, bytes, perf_counter at start)
         self.compression: dict[str, dict] = {}
 
     @property
@@ -120,12 +125,34 @@ class Communicator:
         return dist.get_world_size(self.group)
 
     def _note(self, op: str, nbytes: int) -> None:
+        """A collective of ``nbytes`` (this rank's payload) starts: counted, and announced to ``on_collective``
+        (the rank's status record: what it waits in, should it never return)."""
         self.collectives += 1
         self.bytes += nbytes
         self.by_op[op] += 1
         self.bytes_by_op[op] += nbytes
+        self._open.append((op, nbytes, time.perf_counter()))
         if self.on_collective is not None:
             self.on_collective(op, nbytes)
+
+    def _close(self) -> None:
+        """The collectives noted since the last call have finished: their seconds (wall time from the start of
+        the first to now, on this rank) go to ``seconds_by_op``, ``history`` and ``on_complete``."""
+        if not self._open:
+            return
+        now = time.perf_counter()
+        merged: dict[str, list] = {}
+        for op, nbytes, t0 in self._open:
+            entry = merged.setdefault(op, [0, t0])
+            entry[0] += nbytes
+            entry[1] = min(entry[1], t0)
+        self._open.clear()
+        for op, (nbytes, t0) in merged.items():
+            record = {"op": op, "bytes": int(nbytes), "seconds": round(now - t0, 6), "t_end": time.time()}
+            self.seconds_by_op[op] += now - t0
+            self.history.append(record)
+            if self.on_complete is not None:
+                self.on_complete(record)
 
     def _count(self, op: str, t: torch.Tensor) -> None:
         self._note(op, t.numel() * t.element_size())
@@ -135,6 +162,7 @@ class Communicator:
         what this rank handed to the collectives, per op in ``bytes_by_op``)."""
         return {"collectives": self.collectives, "bytes": self.bytes, "by_op": dict(self.by_op),
                 "bytes_by_op": dict(self.bytes_by_op),
+                "seconds_by_op": {k: round(v, 6) for k, v in self.seconds_by_op.items()},
                 "chunked": self.chunked, "compression": dict(self.compression)}
 
     def _run(self, op: str, numel: int, itemsize: int, launch: Callable[[int, int, bool], object],
@@ -148,6 +176,7 @@ class Communicator:
                 or numel == 0):
             self._note(op, nbytes)
             launch(0, numel, False)
+            self._close()
             return
         step = max(1, self.chunk_bytes // itemsize)
         pending: deque = deque()
@@ -159,6 +188,7 @@ class Communicator:
             pending.append(launch(lo, hi, True))
         while pending:
             pending.popleft().wait()
+        self._close()
         self.chunked += 1
 
     def all_reduce_coalesced(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -340,6 +370,7 @@ class Communicator:
                    torch.empty((n, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device))
             self._note("broadcast", buf.numel() * buf.element_size() if src == self.rank else 0)
             dist.broadcast(buf, group_src=src, group=self.group)
+            self._close()
             parts.append(buf.cpu())
         return parts
 
@@ -383,6 +414,7 @@ class Communicator:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._count(op, tensor)
         dist.all_gather(parts, tensor, group=self.group)
+        self._close()
         return [p.cpu() for p in parts]
 
     def sharded_topk(self, gallery_rows, query_rows, num_queries: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,6 +440,7 @@ class Communicator:
                               device=self.device)
         self._count("broadcast", length)
         dist.broadcast(length, group_src=src, group=self.group)
+        self._close()
         n = int(length.item())
         if self.rank == src:
             buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
@@ -417,4 +450,5 @@ class Communicator:
         if n:
             self._count("broadcast", buf)
             dist.broadcast(buf, group_src=src, group=self.group)
+            self._close()
         return bytes(buf.cpu().numpy().tobytes())
