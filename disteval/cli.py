@@ -161,7 +161,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
                                        1 if external else int(cfg.dist.get("nnodes") or 1)))
     try:
-        _start_ranks(cfg, job, container, run_dir, external, choice)
+        _start_ranks(cfg, job, container, run_dir, external, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc
@@ -178,7 +178,20 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     return 0, None
 
 
-def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: bool, choice) -> None:
+def _agent_stuck(exc: BaseException, run_dir: str, record) -> None:
+    """A multi-node launch whose agent cannot leave the rendezvous after this node's ranks ended (the store
+    is cut off): say who failed, record it, and end this process with exit code 1 (from the deadline thread,
+    ``launchers.local.AgentDeadline``)."""
+    _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+    if record is not None:
+        record.finish("failed", 1, exc)
+    driverlog.finished(run_dir, 1)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: bool, choice,
+                 on_agent_stuck=None) -> None:
     """Run the job's ranks and wait: as this rank of an external launcher, in this process (world size 1, unless
     the allocator ``choice`` needs a process started with another environment), or as local rank processes."""
     from disteval.comm import RankEnv
@@ -207,7 +220,7 @@ def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: 
         from launchers.local import Rendezvous
 
         launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
-                     rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s)))
+                     rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck))
     else:
         alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
         launch_local(container, run_dir, cfg.dist.world_size, "127.0.0.1" if alone else cfg.dist.master_addr,

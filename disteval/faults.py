@@ -5,6 +5,7 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
 
     DISTEVAL_FAULTS="kill@1:batch=2"               rank 1 sends itself SIGKILL after its 2nd batch
     DISTEVAL_FAULTS="delay@1:batch=1,seconds=10"   rank 1 sleeps 10 s after its 1st batch (a straggler)
+    DISTEVAL_FAULTS="delay@0:sync=1,seconds=8"     rank 0 sleeps 8 s on reaching the final synchronisation
     DISTEVAL_FAULTS="noise@*:std=0.5"              every rank adds unseeded N(0, std^2) noise to its logits
                                                    (a nondeterministic model: repeated trials disagree)
     DISTEVAL_FAULTS="weights@2:std=0.5"            rank 2 perturbs its weights by N(0, std^2) (a node that
@@ -41,7 +42,7 @@ from disteval.common.drills import simulate_full_disk
 from disteval.resume import checkpoint_signal
 
 ENV = "DISTEVAL_FAULTS"
-KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds"}, "noise": {"std"}, "weights": {"std"},
+KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
          "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"}}
 _BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull", "preempt")
 
@@ -152,8 +153,12 @@ class FaultPlan:
                 raise RuntimeError(f"{ENV}: injected error after batch {batches_done} on rank {self.rank}")
 
     def on_sync(self) -> None:
-        """``stop`` with ``sync=1``: SIGSTOP this process on reaching the final synchronisation."""
+        """With ``sync=1``: ``stop`` SIGSTOPs this process on reaching the final synchronisation, ``delay``
+        sleeps ``seconds`` there (its peers wait inside the synchronisation's first collective meanwhile)."""
         for f in self.faults:
             if f.kind == "stop" and f.params.get("sync"):
                 self._fired.append(f)
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif f.kind == "delay" and f.params.get("sync"):
+                self._fired.append(f)
+                time.sleep(f.params.get("seconds", 10.0))

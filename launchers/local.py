@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
@@ -102,6 +102,45 @@ class Reaper:
                 return
 
 
+class AgentDeadline:
+    """Bounds a multi-node driver's exit. When every rank of this node has ended (its record says done or
+    failed, or its process is gone) and torch's agent still has not returned ``grace_s`` seconds later (its
+    rendezvous shutdown retries against a store that a partition cut off), ``on_stuck`` is called with the
+    culprit found in this node's records; it records the outcome and ends the process."""
+
+    def __init__(self, run_dir: str, world_size: int, grace_s: float, on_stuck: Callable[[BaseException], None],
+                 poll_s: float = 0.5):
+        self.run_dir, self.world_size, self.grace_s, self.poll_s = run_dir, world_size, grace_s, poll_s
+        self.on_stuck = on_stuck
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="disteval-agent-deadline", daemon=True)
+
+    def __enter__(self) -> "AgentDeadline":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        ended_at, node = None, node_id()
+        while not self._stop.wait(self.poll_s):
+            mine = {r: s for r in range(self.world_size) if (s := read_status(self.run_dir, r)) and
+                    s.get("node") == node and not s.get("relayed")}
+            over = bool(mine) and all(s.get("phase") in ("done", "failed") or not pid_alive(s.get("pid"))
+                                      for s in mine.values())
+            if not over:
+                ended_at = None
+                continue
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at >= self.grace_s and not self._stop.is_set():
+                culprit = find_culprit(self.run_dir, self.world_size, {})
+                self.on_stuck(RankFailedError(culprit.rank, f"{culprit.message} (this node's launcher could not "
+                                              f"leave the rendezvous within {self.grace_s:.0f} s after its ranks "
+                                              "ended: the other node or the network is gone)", {}))
+                return
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the nodes of a multi-node launch meet (``dist.nnodes``, ``dist.node_rank``, ``dist.rdzv_endpoint``,
@@ -115,11 +154,16 @@ class Rendezvous:
     node_rank: int | None = None
     local_addr: str | None = None
     timeout_s: float = 300.0
+    # called (from a thread) with the culprit's RankFailedError when this node's ranks have all ended but
+    # torch's agent has not returned within timeout_s + 10 s (it cannot leave a rendezvous whose store is cut
+    # off): it must record the outcome and end the process (``python -m disteval`` does, exit code 1)
+    on_agent_stuck: Callable[[BaseException], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, dist_cfg: Any, timeout_s: float) -> "Rendezvous":
+    def from_config(cls, dist_cfg: Any, timeout_s: float,
+                    on_agent_stuck: Callable[[BaseException], None] | None = None) -> "Rendezvous":
         return cls(int(dist_cfg.get("nnodes") or 1), dist_cfg.get("rdzv_endpoint"), dist_cfg.get("node_rank"),
-                   dist_cfg.get("local_addr"), float(timeout_s))
+                   dist_cfg.get("local_addr"), float(timeout_s), on_agent_stuck)
 
     @property
     def run_id(self) -> str:
@@ -178,8 +222,11 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
 
         resource_tracker.ensure_running()  # the driver's helper: started with the driver's own environment
     t_start = time.monotonic()
+    deadline = (AgentDeadline(run_dir, world_size, rendezvous.timeout_s + 10, rendezvous.on_agent_stuck)
+                if rendezvous is not None and rendezvous.nnodes > 1 and rendezvous.on_agent_stuck else
+                contextlib.nullcontext())
     try:
-        with reaper, (allocator.applied() if allocator is not None else contextlib.nullcontext()):
+        with reaper, deadline, (allocator.applied() if allocator is not None else contextlib.nullcontext()):
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         # ranks the reaper killed after another rank failed are consequences: not deaths of their own

@@ -409,3 +409,100 @@ def test_external_torchrun_with_loopback_master_refused(lab):
     assert "the ranks span several nodes but MASTER_ADDR=n1 resolves to 127.0.1.1, a loopback address" in said, \
         said[-3000:]
     assert "--local-addr" in said and "dist.local_addr" in said
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _status(run_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _run_with_fault(lab, name: str, fault: str, during, *overrides: str) -> tuple[dict, float, Path]:
+    """W = 4 as 2 x 2 with DISTEVAL_FAULTS=``fault``; ``during(run_dir)`` acts on the lab while it runs. Returns
+    ({node: CompletedProcess}, seconds until both drivers ended, run_dir)."""
+    endpoint = f"198.18.0.1:{next(_ports)}"
+    run_dir = lab.shared / name
+    env = dict(os.environ, DISTEVAL_FAULTS=fault)
+    commands = {n: _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}",
+                             f"hydra.run.dir={run_dir}", "communication.timeout_s=20", *overrides)
+                for n in ("n1", "n2")}
+    procs = {n: lab.popen(n, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n, cmd in commands.items()}
+    t0 = time.monotonic()
+    try:
+        during(run_dir)
+        outs = {n: p.communicate(timeout=150) for n, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return ({n: subprocess.CompletedProcess(p.args, p.returncode, *outs[n]) for n, p in procs.items()},
+            time.monotonic() - t0, run_dir)
+
+
+def _doctor(run_dir: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    return json.loads(proc.stdout)["runs"][0]
+
+
+def _nothing_left(lab) -> None:
+    for n in ("n1", "n2"):
+        _wait_for(lambda: not [p for p in lab.pids(n) if b"disteval" in Path(f"/proc/{p}/cmdline").read_bytes()],
+                  30, f"the run's processes on {n} to end")
+
+
+def test_partition_during_the_final_sync(lab):
+    """Ranks 1-3 wait in the synchronisation's all_reduce while rank 0 is held back (a delay drill); then n2 is
+    cut off silently (blackhole). The run ends within about one timeout (20 s), the culprit is a rank of n2 (the
+    node cut off), never rank 0 or 1 that only waited; no results.json; no process survives on either node."""
+    def cut(run_dir):
+        _wait_for(lambda: (_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
+                  "rank 2 to wait in the all_reduce")
+        lab.partition("n2", how="blackhole")
+
+    try:
+        procs, took, run_dir = _run_with_fault(lab, "sync_cut", "delay@0:sync=1,seconds=4", cut)
+    finally:
+        lab.heal("n2")
+    assert took < 75, took
+    for n, p in procs.items():
+        assert p.returncode == 1, f"{n}: {p.stderr[-3000:]}"
+    said = " ".join(procs["n1"].stderr.split())
+    assert "rank 2" in said or "rank 3" in said, said[-3000:]
+    assert not (run_dir / "results.json").exists()
+    report = _doctor(run_dir)
+    assert report["culprit_rank"] in (2, 3), json.dumps(report["verdict"])[:3000]
+    _nothing_left(lab)
+
+
+@pytest.mark.parametrize("action", ["freeze", "kill"])
+def test_node_frozen_or_killed_mid_forward(lab, action):
+    """Every rank is held after its first batch (a delay drill); meanwhile n2 is frozen (SIGSTOP to every
+    process in it) or killed (SIGKILL). n1's driver ends within about one timeout naming a rank of n2, with
+    what happened to it (its heartbeat stopped: stopped, froze or died); the doctor blames that rank; after a
+    thaw nothing of the run survives on either node."""
+    def strike(run_dir):
+        _wait_for(lambda: _status(run_dir, 2).get("batches_done", 0) >= 1 and
+                  _status(run_dir, 3).get("batches_done", 0) >= 1, 90, "ranks 2 and 3 to finish a batch")
+        (lab.freeze if action == "freeze" else lab.kill)("n2")
+
+    procs, took, run_dir = _run_with_fault(lab, f"node_{action}", "delay@*:batch=1,seconds=6", strike)
+    lab.thaw("n2")
+    assert took < 90, took
+    assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
+    said = " ".join(procs["n1"].stderr.split())
+    assert "rank 2" in said or "rank 3" in said, said[-3000:]
+    assert not (run_dir / "results.json").exists()
+    report = _doctor(run_dir)
+    assert report["culprit_rank"] in (2, 3), json.dumps(report["verdict"])[:3000]
+    _nothing_left(lab)
