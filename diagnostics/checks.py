@@ -11,6 +11,8 @@ apart by heartbeats, stragglers, mismatched collectives), RESULT (outlier ranks,
 """
 from __future__ import annotations
 
+import json
+
 import math
 import re
 import statistics
@@ -250,7 +252,51 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
         return Finding("COMM", "timeout", "fail", f"rank {r} stopped: its heartbeat stopped {gap:.0f} s before its peers "
                        f"gave up waiting, in {recorded_progress(s)}: the process was stopped (SIGSTOP, a debugger), froze "
                        "or died, so it was not slow", ev, remedy, culprit=r, phase=phase)
+    link = _link_failed(run, timed, kind)
+    if link is not None:
+        return link
     return _slow_rank(run, r, ev, probes, kind == "alive", phase)
+
+
+LINK_FLOOR_BPS = 1e6 / 8  # 1 Mbit/s: a payload that would cross even such a link within half the timeout
+
+
+def _link_failed(run: Run, timed: dict[int, dict], kind: str | None) -> Finding | None:
+    """A network partition rather than a slow rank: every rank that timed out was alive and inside a
+    collective whose payload would have crossed even a 1 Mbit/s link within half the timeout, and the ranks of
+    some node(s) recorded that they could not reach the rendezvous store (``store_error``): those nodes were
+    cut off. None when the records do not show that."""
+    if kind == "stopped":
+        return None
+    statuses = {r: s for r, s in run.statuses.items() if s}
+    cut = {r: s["store_error"] for r, s in statuses.items() if s.get("store_error")}
+    flights = {r: s.get("in_flight") for r, s in statuses.items() if s.get("in_flight")}
+    if not cut or not flights:
+        return None
+    timeout = float(run.cfg("communication.timeout_s", 300.0) or 300.0)
+    largest = max(int(f.get("bytes") or 0) for f in flights.values())
+    if largest / LINK_FLOOR_BPS > timeout / 2:  # a payload that size may just be slow: the slow-link check's case
+        return None
+    hosts = sorted({str(statuses[r].get("host")) for r in cut})
+    ranks = sorted(cut)
+    first = ranks[0]
+    ops = sorted({str(f.get("op")) for f in flights.values()})
+    err = cut[first]
+    ev = [Evidence(f"ranks/rank{first}/status.json", f"{err.get('error')} (since {err.get('since')})",
+                   field="store_error"),
+          Evidence(f"ranks/rank{first}/status.json", json.dumps(flights.get(first) or {}), field="in_flight")]
+    ev += [Evidence(f"ranks/rank{r}/status.json", str(e.get("message"))[:200], field="error.message")
+           for r, e in sorted(timed.items())[:2]]
+    others = sorted({str(s.get("host")) for r, s in statuses.items() if r not in cut})
+    return Finding("COMM", "timeout", "fail", f"the network between node(s) {', '.join(hosts)} and "
+                   f"{', '.join(others) or 'the other nodes'} failed (a partition): rank(s) {ranks} on "
+                   f"{', '.join(hosts)} could not reach the rendezvous store at {err.get('endpoint')} ({err.get('error')}), "
+                   f"and the ranks waited in {', '.join(ops)} of at most {largest:,} bytes, which would cross even a "
+                   f"1 Mbit/s link in {largest / LINK_FLOOR_BPS:.2f} s, for {timeout:g} s: not a slow rank; no "
+                   "longer timeout helps", ev,
+                   Remedy([], f"check the network connection between {', '.join(hosts)} and "
+                          f"{', '.join(others) or 'the other nodes'} (link, routes, firewall), then rerun",
+                          changes_cause=False), culprit=first, phase="sync")
 
 
 def _stall_kind(run: Run, r: int, timed: dict[int, dict]) -> tuple[str | None, list[Evidence], float]:

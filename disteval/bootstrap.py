@@ -101,6 +101,8 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
     if env is not None:
         ctx.board = StoreBoard.from_env(ctx.rank, ctx.world_size, float(cfg.communication.timeout_s))
         ctx.status.mirror = ctx.board.publish
+        ctx.board.on_error = lambda err: _store_unreachable(ctx, err)
+        ctx.board.on_recovered = lambda: ctx.status.record.get("store_error") and ctx.status.note(store_error=None)
         ctx.status.update(force=True, net=ctx.net)
         ctx.board.publish_now(dict(ctx.status.record))
         shared = detect_shared_filesystem(ctx.board, lambda r: read_status(ctx.run_dir, r))
@@ -108,6 +110,15 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
         ctx.status.update(force=True, filesystem=ctx.filesystem)
     log.info("rank %d/%d on %s, backend %s, device %s", ctx.rank, ctx.world_size, ctx.status.record["host"],
              ctx.backend, ctx.device)
+
+
+def _store_unreachable(ctx: RankContext, error: str) -> None:
+    """status.json ``store_error`` {since, error, endpoint}: this rank could not reach the rendezvous store (a
+    partition between its node and the store's): evidence the doctor uses to name the node that was cut off."""
+    old = ctx.status.record.get("store_error") or {}
+    ctx.status.note(store_error={
+        "since": old.get("since") or time.time(), "error": error[:300],
+        "endpoint": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"})
 
 
 def _collective_started(ctx: RankContext, op: str, nbytes: int) -> None:

@@ -332,6 +332,19 @@ class StatusWriter:
             if force or phase_changed or time.time() - self._last_write >= self.interval_s:
                 self._write()
 
+    def note(self, **fields: Any) -> None:
+        """Merge ``fields`` and write, from a helper thread: unlike ``update`` it does not stamp ``t_progress``
+        (the main thread did nothing); also after a failure (evidence added to the final record). A write error
+        is left to the main thread."""
+        with self._lock:
+            if self.record["phase"] == "done":
+                return
+            self.record.update(fields)
+            try:
+                self._write()
+            except OSError:
+                pass
+
     def beat(self) -> None:
         """Write a fresh ``t_heartbeat`` (from the watchdog thread); a write error is left to the main thread."""
         with self._lock:

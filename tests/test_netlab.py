@@ -482,6 +482,10 @@ def test_partition_during_the_final_sync(lab):
     assert not (run_dir / "results.json").exists()
     report = _doctor(run_dir)
     assert report["culprit_rank"] in (2, 3), json.dumps(report["verdict"])[:3000]
+    finding = report["verdict"]["finding"]
+    assert (report["verdict"]["state"], report["verdict"]["check"]) == ("COMM", "timeout")
+    assert "the network between node(s) n2 and n1 failed (a partition)" in finding, finding
+    assert report["remedy"]["changes_cause"] is False and "check the network connection" in report["remedy"]["why"]
     _nothing_left(lab)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -22,20 +23,32 @@ import torch.distributed as dist
 class StoreBoard:
     """One rank's view of every rank's status record in the rendezvous store.
 
-    ``host``/``port``: the store (MASTER_ADDR/MASTER_PORT); ``rank``; ``timeout_s``: seconds a store call may
-    take (``communication.timeout_s``). Raises RuntimeError (torch's) when the store cannot be reached."""
+    ``host``/``port``: the store (MASTER_ADDR/MASTER_PORT); ``rank``; ``timeout_s``: ``communication.timeout_s``,
+    the longest wait for the other ranks (one store operation may take a quarter of it, 2..10 s). Raises RuntimeError (torch's) when the store cannot be reached."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size = rank, world_size
-        self.timeout = timedelta(seconds=float(timeout_s))
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout, wait_for_workers=False)
+        self.timeout = timedelta(seconds=float(timeout_s))  # waits for every rank (``agree``)
+        # one store operation: a few seconds at most, so that a rank cut off from the store records it
+        # (``on_error``) well before its collectives time out
+        op_timeout = timedelta(seconds=max(2.0, min(float(timeout_s) / 4, 10.0)))
+        self.op_timeout_s, self.endpoint = op_timeout.total_seconds(), f"{host}:{port}"
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=op_timeout, wait_for_workers=False)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = dist.PrefixStore(f"disteval/{run}/{attempt}", client)
         self._latest: dict | None = None
+        self.on_error: Callable[[str], None] | None = None  # a publish failed: the store is unreachable
+        self.on_recovered: Callable[[], None] | None = None
         self._wake = threading.Condition()
+        self._sending_since: float | None = None  # monotonic start of the send in progress
         self._thread = threading.Thread(target=self._send_loop, name=f"disteval-board-rank{rank}", daemon=True)
         self._thread.start()
+        # a TCPStore operation into a silent partition never returns (its timeout covers waits, not a lost
+        # connection): a second thread notices a send that takes longer than the operation timeout
+        self._monitor = threading.Thread(target=self._watch_sends, name=f"disteval-board-watch-rank{rank}",
+                                         daemon=True)
+        self._monitor.start()
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float) -> "StoreBoard":
@@ -50,8 +63,12 @@ class StoreBoard:
             self._wake.notify()
 
     def publish_now(self, record: dict) -> None:
-        """Put ``record`` in the store from this thread (waits up to the store's timeout)."""
-        self.store.set(f"status/{self.rank}", json.dumps(record, default=str))
+        """Put ``record`` in the store from this thread and wait for the store's answer (a ``set`` alone is
+        not acknowledged: into a silent partition it would seem to succeed). Raises torch's error after the
+        store's operation timeout."""
+        key = f"status/{self.rank}"
+        self.store.set(key, json.dumps(record, default=str))
+        self.store.check([key])
 
     def _send_loop(self) -> None:
         while True:
@@ -59,10 +76,28 @@ class StoreBoard:
                 while self._latest is None:
                     self._wake.wait()
                 record, self._latest = self._latest, None
+            self._sending_since = time.monotonic()
             try:
                 self.publish_now(record)
-            except Exception:  # noqa: BLE001 - the store is gone or slow: peers see this rank go stale
-                pass
+            except Exception as exc:  # noqa: BLE001 - the store is gone or slow: peers see this rank go stale
+                if self.on_error is not None:
+                    self.on_error(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                continue
+            finally:
+                self._sending_since = None
+            if self.on_recovered is not None:
+                self.on_recovered()
+
+    def _watch_sends(self) -> None:
+        reported = False
+        while True:
+            time.sleep(min(1.0, self.op_timeout_s / 2))
+            since = self._sending_since
+            stuck = since is not None and time.monotonic() - since > self.op_timeout_s
+            if stuck and not reported and self.on_error is not None:
+                self.on_error(f"no answer from the rendezvous store at {self.endpoint} for "
+                              f"{time.monotonic() - since:.0f} s (operation timeout {self.op_timeout_s:g} s)")
+            reported = stuck
 
     def read(self, rank: int) -> dict | None:
         """Rank ``rank``'s last published record, None when it has published none (or the store is gone)."""
