@@ -273,6 +273,10 @@ def _link_failed(run: Run, timed: dict[int, dict], kind: str | None) -> Finding 
     flights = {r: s.get("in_flight") for r, s in statuses.items() if s.get("in_flight")}
     if not cut or not flights:
         return None
+    first_victim = min((float(e["time"]) for e in timed.values() if isinstance(e.get("time"), (int, float))),
+                       default=None)
+    if first_victim is not None and min(float(e.get("since") or 0) for e in cut.values()) > first_victim:
+        return None  # cut off from the store only after the run had failed: a consequence, not the cause
     timeout = float(run.cfg("communication.timeout_s", 300.0) or 300.0)
     largest = max(int(f.get("bytes") or 0) for f in flights.values())
     if largest / LINK_FLOOR_BPS > timeout / 2:  # a payload that size may just be slow: the slow-link check's case
@@ -311,10 +315,13 @@ def _stall_kind(run: Run, r: int, timed: dict[int, dict]) -> tuple[str | None, l
     q = min(times, key=times.get)
     gap = times[q] - float(beat)
     ev = [_status_ev(run, r, "t_heartbeat"), _status_ev(run, q, "error.time")]
-    stale = ((blamers[q].get("evidence") or {}).get("stale_s"))
+    seen = blamers[q].get("evidence") or {}
+    stale = seen.get("stale_s", seen.get("heartbeat_age_s"))
     if stale is not None:
-        ev.append(_status_ev(run, q, "error.evidence.stale_s"))
+        ev.append(_status_ev(run, q, "error.evidence.stale_s" if "stale_s" in seen else "error.evidence.heartbeat_age_s"))
     limit = max(3.0 * float(s.get("heartbeat_s") or 1.0), 2.0)
+    if stale is not None and float(stale) > limit:  # what the peer saw when it gave up (a frozen rank may beat again
+        return "stopped", ev, max(gap, float(stale))  # after a thaw, rewriting t_heartbeat)
     return ("stopped" if gap > limit else "alive"), ev, gap
 
 

@@ -517,6 +517,9 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
               status_ev(run, r, "samples_done")]
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} {death} without recording an error, in "
                        f"{recorded_progress(s)}", ev, _death_remedy(run, death), culprit=r, phase=phase)
+    node = _node_died(run, r)
+    if not err and node is not None:
+        return node
     if not err and s.get("phase") in ("init", "data", "forward"):
         first = sorted(errors(run))
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} stopped without recording an error in "
@@ -528,6 +531,33 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
                               "scheduler's log) before rerunning", changes_cause=False), culprit=r, phase=phase)
     return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {r}'s failure is "
                    "a communication problem, see COMM)")
+
+
+def _node_died(run: Run, r: int) -> Finding | None:
+    """Rank ``r`` recorded no error, and neither did any rank of its node, whose launcher's record
+    (``nodes/<host>/launch.json``, a multi-node launch) stayed "running" while its heartbeat stopped: the whole
+    node died or was killed at once (power, OOM killer of a node, a crashed VM). None otherwise."""
+    host = (run.statuses.get(r) or {}).get("host")
+    launch = run.node_launches.get(str(host)) if host else None
+    if not launch or launch.get("outcome") != "running":
+        return None
+    mine = [q for q, s in run.statuses.items() if s and s.get("host") == host]
+    if any((run.statuses[q] or {}).get("error") for q in mine):
+        return None
+    beats = [float(run.statuses[q].get("t_heartbeat") or 0) for q in mine] + [float(launch.get("t_heartbeat") or 0)]
+    victims = [float(e["time"]) for q, e in errors(run).items() if q not in mine and isinstance(e.get("time"), (int, float))]
+    if not victims or max(beats) > min(victims):
+        return None  # something of that node still beat after its peers failed: not a node that died at once
+    src = f"nodes/{host}/launch.json"
+    ev = [Evidence(src, "running", field="outcome"), Evidence(src, str(launch.get("t_heartbeat")), field="t_heartbeat")]
+    ev += [status_ev(run, q, "t_heartbeat") for q in mine[:2]]
+    ev += [e for q in sorted(errors(run))[:1] for e in error_ev(run, q)[:1]]
+    return Finding("INIT", "ranks_ran", "fail", f"node {host} died or was killed: its launcher and its rank(s) {mine} "
+                   f"stopped at once without recording an error (their heartbeats ended before the other nodes' "
+                   "ranks failed waiting for them), in "
+                   f"{recorded_progress(run.statuses.get(r) or {})}", ev,
+                   Remedy([], f"look at node {host} (is it up? dmesg, the OOM killer, the scheduler's log) before "
+                          "rerunning", changes_cause=False), culprit=r, phase=rank_phase(run.statuses.get(r), r)[0])
 
 
 def _death_remedy(run: Run, death: str) -> Remedy:

@@ -148,10 +148,13 @@ def _stop_key(records: dict[int, dict | None], r: int) -> tuple:
 
 
 def waiting_in_collective(record: dict | None, when: float) -> bool:
-    """The rank was waiting in a blocking collective (``in_collective``) with its heartbeat still fresh at
-    ``when``: alive and waiting for others, so not the rank that stalled."""
+    """The rank was waiting in a blocking collective (``in_collective``, entered before ``when``) with its
+    heartbeat still fresh at ``when``: alive and waiting for others, so not the rank that stalled."""
     if not record or not record.get("in_collective") or not isinstance(record.get("t_heartbeat"), (int, float)):
         return False
+    since = (record.get("in_collective") or {}).get("since")
+    if isinstance(since, (int, float)) and since > float(when):  # it entered the collective only afterwards (a
+        return False                                              # frozen rank that was thawed)
     return float(record["t_heartbeat"]) >= float(when) - _beat_gap(record)
 
 
