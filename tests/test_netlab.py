@@ -433,7 +433,7 @@ def _run_with_fault(lab, name: str, fault: str, during, *overrides: str) -> tupl
     run_dir = lab.shared / name
     env = dict(os.environ, DISTEVAL_FAULTS=fault)
     commands = {n: _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}",
-                             f"hydra.run.dir={run_dir}", "communication.timeout_s=20", *overrides)
+                             f"hydra.run.dir={run_dir}", "communication.timeout_s=12", *overrides)
                 for n in ("n1", "n2")}
     procs = {n: lab.popen(n, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n, cmd in commands.items()}
@@ -466,7 +466,8 @@ def _nothing_left(lab) -> None:
 
 def test_partition_during_the_final_sync(lab):
     """Ranks 1-3 wait in the synchronisation's all_reduce while rank 0 is held back (a delay drill); then n2 is
-    cut off silently (blackhole). The run ends within about one timeout (20 s), the culprit is a rank of n2 (the
+    cut off silently (blackhole). The run ends within about one timeout (12 s; n2's driver, whose agent cannot
+    leave the cut-off rendezvous, after timeout + 10 s more), the culprit is a rank of n2 (the
     node cut off), never rank 0 or 1 that only waited; no results.json; no process survives on either node."""
     def cut(run_dir):
         _wait_for(lambda: (_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
@@ -477,7 +478,7 @@ def test_partition_during_the_final_sync(lab):
         procs, took, run_dir = _run_with_fault(lab, "sync_cut", "delay@0:sync=1,seconds=4", cut)
     finally:
         lab.heal("n2")
-    assert took < 75, took
+    assert took < 45, took
     for n, p in procs.items():
         assert p.returncode == 1, f"{n}: {p.stderr[-3000:]}"
     said = " ".join(procs["n1"].stderr.split())
@@ -504,7 +505,7 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
         (lab.freeze if action == "freeze" else lab.kill)("n2")
 
     procs, took, run_dir = _run_with_fault(lab, f"node_{action}", "delay@*:batch=1,seconds=6", strike)
-    assert took < 90, took
+    assert took < 60, took
     assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
     said = " ".join(procs["n1"].stderr.split())
     assert "rank 2" in said or "rank 3" in said, said[-3000:]

@@ -245,9 +245,9 @@ class NetLab:
             inode = _ns_inode(node.pid)
             if inode is not None and inode != _ns_inode(os.getpid()):
                 for pid in _pids_in_netns(inode):
-                    _signal(pid, signal.SIGCONT)
-                    _signal(pid, signal.SIGKILL)
-            _signal(node.pid, signal.SIGKILL)
+                    send_signal(pid, signal.SIGCONT)
+                    send_signal(pid, signal.SIGKILL)
+            send_signal(node.pid, signal.SIGKILL)
         self.members.clear()
         cleanup_stale(self.name, self.base)
 
@@ -374,22 +374,23 @@ class NetLab:
         """SIGSTOP every process in node ``name``; returns their pids."""
         pids = self.pids(name)
         for pid in pids:
-            _signal(pid, signal.SIGSTOP)
+            send_signal(pid, signal.SIGSTOP)
         return pids
 
     def thaw(self, name: str) -> None:
         for pid in self.pids(name):
-            _signal(pid, signal.SIGCONT)
+            send_signal(pid, signal.SIGCONT)
 
     def kill(self, name: str) -> list[int]:
         """SIGKILL every process in node ``name`` (its holder stays); returns their pids."""
         pids = self.pids(name)
         for pid in pids:
-            _signal(pid, signal.SIGKILL)
+            send_signal(pid, signal.SIGKILL)
         return pids
 
 
-def _signal(pid: int, sig: int) -> None:
+def send_signal(pid: int, sig: int) -> None:
+    """``os.kill(pid, sig)``, ignoring a process that is already gone (or not ours)."""
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -406,9 +407,9 @@ def cleanup_stale(name: str | None = None, base: str = DEFAULT_BASE) -> list[str
         if inode is not None and inode != root_net:
             for p in _pids_in_netns(inode):
                 if p != pid:
-                    _signal(p, signal.SIGCONT)
-                    _signal(p, signal.SIGKILL)
-        _signal(pid, signal.SIGKILL)
+                    send_signal(p, signal.SIGCONT)
+                    send_signal(p, signal.SIGKILL)
+        send_signal(pid, signal.SIGKILL)
         removed.append(f"node {label} (holder pid {pid})")
     listing = _run(["ip", "netns", "list"], check=False).stdout.split()
     for ns in listing:

@@ -60,6 +60,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from disteval.testing.netlab import send_signal
+
 NODE_DIR = "/tmp/slurm-lab"  # in each node's private /tmp: munge socket, PID files, slurmd spool, MariaDB socket
 # Inside the lab's network namespaces only, so the usual ports cannot clash with the machine's (or the
 # single-node cluster's 1681x ports in the machine's namespace).
@@ -178,13 +180,13 @@ def _stop_pids(named: list[tuple[str, int]], timeout: float = 30.0) -> None:
     """SIGTERM each (name, pid) still alive under that name, wait for all (up to ``timeout``), then SIGKILL."""
     live = [(n, p) for n, p in named if _comm(p) == n]
     for _, pid in live:
-        _signal(pid, signal.SIGTERM)
+        send_signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while live and time.monotonic() < deadline:
         live = [(n, p) for n, p in live if _comm(p) == n and not _zombie(p)]
         time.sleep(0.05)
     for _, pid in live:
-        _signal(pid, signal.SIGKILL)
+        send_signal(pid, signal.SIGKILL)
 
 
 def _zombie(pid: int) -> bool:
@@ -192,13 +194,6 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -569,12 +564,12 @@ def stop_lab_cluster(cluster: LabCluster | str | os.PathLike, timeout: float = 3
             tasks.append(int(entry))
     if steps or tasks:
         for pid in tasks:
-            _signal(pid, signal.SIGTERM)
+            send_signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
         while any(not _zombie(t) for t in tasks) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in tasks + steps:
-            _signal(pid, signal.SIGKILL)
+            send_signal(pid, signal.SIGKILL)
         done.append(f"killed job processes left behind: slurmstepd {steps}, tasks {tasks}")
     return done or ["nothing was running"]
 
