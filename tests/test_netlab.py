@@ -294,8 +294,7 @@ def test_rate_limit_partition_freeze_kill(lab):
     assert _transfer(lab, "n3", "n4", 1000)[0] is not None
     sleeper = lab.popen("n4", ["sleep", "60"])
     time.sleep(0.2)
-    assert sleeper.pid in lab.pids("n4") or any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep")
-                                                for p in lab.pids("n4"))
+    assert sleeper.pid in lab.pids("n4") or any(_cmdline(p).startswith(b"sleep") for p in lab.pids("n4"))
     frozen = lab.freeze("n4")
     states = {Path(f"/proc/{p}/stat").read_text().split()[2] for p in frozen}
     assert states == {"T"}, states
@@ -344,7 +343,7 @@ def test_failure_on_another_node_is_named(lab, where, fault):
     report = json.loads(doctor.stdout)["runs"][0]
     assert doctor.returncode == 1 and report["culprit_rank"] == 3, doctor.stdout[-3000:]
     for n in ("n1", "n2"):  # nothing of the run survives on either node
-        left = [p for p in lab.pids(n) if b"disteval" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        left = [p for p in lab.pids(n) if b"disteval" in _cmdline(p)]
         assert left == [], (n, left)
 
 
@@ -458,10 +457,17 @@ def _doctor(run_dir: Path) -> dict:
     return json.loads(proc.stdout)["runs"][0]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended between the listing and the read
+        return b""
+
+
 def _nothing_left(lab) -> None:
     for n in ("n1", "n2"):
-        _wait_for(lambda: not [p for p in lab.pids(n) if b"disteval" in Path(f"/proc/{p}/cmdline").read_bytes()],
-                  30, f"the run's processes on {n} to end")
+        _wait_for(lambda: not [p for p in lab.pids(n) if b"disteval" in _cmdline(p)], 30,
+                  f"the run's processes on {n} to end")
 
 
 def test_partition_during_the_final_sync(lab):
