@@ -525,3 +525,24 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
         assert "node n2 died or was killed" in finding, finding
     assert report["remedy"]["changes_cause"] is False
     _nothing_left(lab)
+
+
+def test_command_line_up_exec_status_down():
+    """The lab's command line as a developer uses it: up (2 nodes), exec a command in a node (its hostname and
+    address), status, down (nothing of the lab left: no holder, no bridge namespace)."""
+    cli = [sys.executable, "-m", "disteval.testing.netlab", "--name", "clab"]
+    try:
+        up = subprocess.run([*cli, "up", "--nodes", "2"], capture_output=True, text=True, timeout=60)
+        assert up.returncode == 0, up.stderr
+        assert json.loads(up.stdout)["nodes"]["n2"]["addr"] == "198.18.0.2"
+        inside = subprocess.run([*cli, "exec", "n2", "--", "sh", "-c", "hostname; hostname -i"], capture_output=True,
+                                text=True, timeout=60)
+        assert inside.returncode == 0 and inside.stdout.split() == ["n2", "198.18.0.2"], inside
+        status = subprocess.run([*cli, "status"], capture_output=True, text=True, timeout=60)
+        assert sorted(json.loads(status.stdout)["nodes"]) == ["n1", "n2"]
+    finally:
+        down = subprocess.run([*cli, "down"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert "clab-br" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    gone = subprocess.run([*cli, "status"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode != 0 and "no lab named 'clab' is running" in gone.stderr

@@ -470,5 +470,13 @@ def attach(name: str = "dlab", base: str = DEFAULT_BASE) -> NetLab:
     return lab
 
 
+def _cli() -> int:
+    try:
+        return main()
+    except NetLabError as exc:
+        print(f"netlab: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())
