@@ -137,7 +137,8 @@ def test_digits_bit_identical_across_node_layouts(lab, reference, layout):
 @pytest.mark.parametrize("iou_type", ["bbox", "segm"])
 def test_coco_replay_bit_identical_across_node_layouts(lab, tmp_path, iou_type):
     """The COCO replay (rank 0 parses the results file and broadcasts it) at W = 4: 2 x 2 and 4 x 1 on the lab
-    == 1 x 4 on loopback == one process, bbox and segm; bytes per rank equal across layouts."""
+    through disteval's launcher and 2 x 2 through torchrun == 1 x 4 on loopback == one process, bbox and segm;
+    collectives and all_reduce bytes per rank equal across layouts."""
     if not GT.exists():
         pytest.skip(f"COCO reference files not found under {COCO} (../shared/data)")
     job = ["+experiment=coco_replay", f"data.annotations={GT}", f"data.predictions={DT[iou_type]}",
@@ -149,9 +150,9 @@ def test_coco_replay_bit_identical_across_node_layouts(lab, tmp_path, iou_type):
     procs = on_nodes(lab, {"n1": _torchrun(1, 4, f"127.0.0.1:{next(_ports)}", f"hydra.run.dir={loop}", *job)})
     assert procs["n1"].returncode == 0, procs["n1"].stderr[-3000:]
     assert load_results(loop)["metrics"] == want
-    for nodes, name in ((["n1", "n2"], "2x2"), (["n1", "n2", "n3", "n4"], "4x1")):
+    for nodes, name in ((["n1", "n2"], "2x2"), (["n1", "n2", "n3", "n4"], "4x1"), (["n1", "n2"], "2x2t")):
         run_dir = lab.shared / f"C{iou_type}{name}"
-        multi_node(lab, nodes, run_dir, *job)
+        multi_node(lab, nodes, run_dir, *job, torchrun=name.endswith("t"))
         assert load_results(run_dir)["metrics"] == want, name
         assert rank_comm(run_dir) == rank_comm(loop), name
 
