@@ -100,6 +100,8 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
         _agree_run_dir(ctx)
     if env is not None:
         ctx.board = StoreBoard.from_env(ctx.rank, ctx.world_size, float(cfg.communication.timeout_s))
+        # rank 0 watches every rank, the others rank 0 (disteval.watchdog)
+        ctx.board.watched = list(range(ctx.world_size)) if ctx.rank == 0 else [0]
         ctx.status.mirror = ctx.board.publish
         ctx.board.on_error = lambda err: _store_unreachable(ctx, err)
         ctx.board.on_recovered = lambda: ctx.status.record.get("store_error") and ctx.status.note(store_error=None)

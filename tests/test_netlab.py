@@ -426,11 +426,13 @@ def _status(run_dir: Path, rank: int) -> dict:
         return {}
 
 
-def _run_with_fault(lab, name: str, fault: str, during, *overrides: str) -> tuple[dict, float, Path]:
+def _run_with_fault(lab, name: str, fault: str, during, *overrides: str, node_local: bool = False
+                    ) -> tuple[dict, float, Path]:
     """W = 4 as 2 x 2 with DISTEVAL_FAULTS=``fault``; ``during(run_dir)`` acts on the lab while it runs; n2 is
-    thawed once n1's driver ended. Returns ({node: CompletedProcess}, seconds until n1's driver ended, run_dir)."""
+    thawed once n1's driver ended; ``node_local``: run directories under each node's /tmp. Returns ({node:
+    CompletedProcess}, seconds until n1's driver ended, n1's run directory as seen from here)."""
     endpoint = f"198.18.0.1:{next(_ports)}"
-    run_dir = lab.shared / name
+    run_dir = Path(f"/tmp/{name}") if node_local else lab.shared / name
     env = dict(os.environ, DISTEVAL_FAULTS=fault)
     commands = {n: _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}",
                              f"hydra.run.dir={run_dir}", "communication.timeout_s=12", *overrides)
@@ -449,7 +451,7 @@ def _run_with_fault(lab, name: str, fault: str, during, *overrides: str) -> tupl
             if p.poll() is None:
                 p.kill()
     return ({n: subprocess.CompletedProcess(p.args, p.returncode, *outs[n]) for n, p in procs.items()}, took,
-            run_dir)
+            lab.node("n1").tmp / name if node_local else run_dir)
 
 
 def _doctor(run_dir: Path) -> dict:
@@ -471,18 +473,22 @@ def _nothing_left(lab) -> None:
                   f"the run's processes on {n} to end")
 
 
-def test_partition_during_the_final_sync(lab):
+@pytest.mark.parametrize("where", ["shared", "node-local"])
+def test_partition_during_the_final_sync(lab, where):
     """Ranks 1-3 wait in the synchronisation's all_reduce while rank 0 is held back (a delay drill); then n2 is
-    cut off silently (blackhole). The run ends within about one timeout (12 s; n2's driver, whose agent cannot
-    leave the cut-off rendezvous, after timeout + 10 s more), the culprit is a rank of n2 (the
+    cut off silently (blackhole), with a shared or node-local run directory. The run ends within about one
+    timeout (12 s; n2's driver, whose agent cannot leave the cut-off rendezvous, after timeout + 10 s more); the
+    culprit is a rank of n2 (the
     node cut off), never rank 0 or 1 that only waited; no results.json; no process survives on either node."""
     def cut(run_dir):
-        _wait_for(lambda: (_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
+        seen = lab.node("n2").tmp / run_dir.name if where == "node-local" else run_dir  # rank 2's own record
+        _wait_for(lambda: (_status(seen, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
                   "rank 2 to wait in the all_reduce")
         lab.partition("n2", how="blackhole")
 
     try:
-        procs, took, run_dir = _run_with_fault(lab, "sync_cut", "delay@0:sync=1,seconds=4", cut)
+        procs, took, run_dir = _run_with_fault(lab, f"sync_cut_{where}", "delay@0:sync=1,seconds=4", cut,
+                                               node_local=where == "node-local")
     finally:
         lab.heal("n2")
     assert took < 45, took
@@ -495,6 +501,10 @@ def test_partition_during_the_final_sync(lab):
     assert report["culprit_rank"] in (2, 3), json.dumps(report["verdict"])[:3000]
     finding = report["verdict"]["finding"]
     assert (report["verdict"]["state"], report["verdict"]["check"]) == ("COMM", "timeout")
+    if where == "node-local":  # n1 sees n2's ranks only as relayed before the cut: their heartbeats stopped
+        assert report["remedy"]["changes_cause"] is False and "stopped" in finding, finding
+        _nothing_left(lab)
+        return
     assert "the network between node(s) n2 and n1 failed (a partition)" in finding, finding
     assert report["remedy"]["changes_cause"] is False and "check the network connection" in report["remedy"]["why"]
     _nothing_left(lab)

@@ -49,6 +49,13 @@ class StoreBoard:
         self._monitor = threading.Thread(target=self._watch_sends, name=f"disteval-board-watch-rank{rank}",
                                          daemon=True)
         self._monitor.start()
+        # peers' records are read by a thread of its own into a cache, for the same reason: a reader (the
+        # watchdog, rank 0's peer watch in the main thread) must never block on a cut-off store
+        self.watched: list[int] = list(range(world_size))
+        self.poll_s = 0.25
+        self._cache: dict[int, dict] = {}
+        self._reader = threading.Thread(target=self._read_loop, name=f"disteval-board-read-rank{rank}", daemon=True)
+        self._reader.start()
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float) -> "StoreBoard":
@@ -99,8 +106,9 @@ class StoreBoard:
                               f"{time.monotonic() - since:.0f} s (operation timeout {self.op_timeout_s:g} s)")
             reported = stuck
 
-    def read(self, rank: int) -> dict | None:
-        """Rank ``rank``'s last published record, None when it has published none (or the store is gone)."""
+    def read_now(self, rank: int) -> dict | None:
+        """Rank ``rank``'s last published record, from the store now (None when it has published none or the
+        store answered with an error; may block while the store does not answer)."""
         key = f"status/{rank}"
         try:
             if not self.store.check([key]):
@@ -109,8 +117,19 @@ class StoreBoard:
         except (RuntimeError, ValueError):
             return None
 
-    def read_all(self) -> list[dict | None]:
-        return [self.read(r) for r in range(self.world_size)]
+    def read(self, rank: int) -> dict | None:
+        """Rank ``rank``'s record as last read by the reading thread (every ``poll_s`` seconds, the ranks in
+        ``watched``); never blocks. None until it was read once. A store that stops answering leaves the
+        records as they were: the peers' heartbeats then look stale, and this rank's ``store_error`` says why."""
+        return self._cache.get(rank)
+
+    def _read_loop(self) -> None:
+        while True:
+            for r in list(self.watched):
+                record = self.read_now(r)
+                if record is not None:
+                    self._cache[r] = record
+            time.sleep(self.poll_s)
 
     def agree(self, name: str, value: str) -> list[str]:
         """Every rank's ``value`` for ``name`` (each rank sets its own, then waits for all; the store's timeout
@@ -129,7 +148,7 @@ def detect_shared_filesystem(board: StoreBoard, read_file: Callable[[int], dict 
     board.agree("published", "1")  # every rank's record is in the store
     mine = True
     for r in range(board.world_size):
-        theirs, seen = board.read(r), read_file(r)
+        theirs, seen = board.read_now(r), read_file(r)
         if not theirs or not seen or (seen.get("pid"), seen.get("node")) != (theirs.get("pid"), theirs.get("node")):
             mine = False
             break
