@@ -249,9 +249,11 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
             if "stop" in drill else Remedy([], f"a longer timeout cannot help a process that stopped: look at rank {r}'s "
                                            "host (a debugger, SIGSTOP, a frozen node, dmesg) before rerunning",
                                            changes_cause=False)
+        unseen = (f", or node {s.get('host')} was cut off from this one (its records here are copies relayed "
+                  f"through the rendezvous store; {s.get('host')}'s own records say which)") if s.get("relayed") else ""
         return Finding("COMM", "timeout", "fail", f"rank {r} stopped: its heartbeat stopped {gap:.0f} s before its peers "
                        f"gave up waiting, in {recorded_progress(s)}: the process was stopped (SIGSTOP, a debugger), froze "
-                       "or died, so it was not slow", ev, remedy, culprit=r, phase=phase)
+                       f"or died{unseen}, so it was not slow", ev, remedy, culprit=r, phase=phase)
     link = _link_failed(run, timed, kind)
     if link is not None:
         return link

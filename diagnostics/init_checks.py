@@ -340,6 +340,9 @@ def init_started(run: Run, probes: dict | None) -> Finding:
     if not missing:
         return Finding("INIT", "started", "pass", f"all {size} ranks started")
     present = [r for r in range(size) if run.statuses.get(r)]
+    if any((run.statuses[r] or {}).get("filesystem") == "node-local" for r in present):
+        return Finding("INIT", "started", "skipped", f"rank(s) {missing} have no record here: the run directories "
+                       "were node-local, so their records are on their own nodes")
     if launch.get("outcome") == "running" and driver_view(run).state == "alive":
         return Finding("INIT", "started", "warn", f"rank(s) {missing} of {size} have not written a status record yet "
                        "(the driver is alive)")
