@@ -161,7 +161,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
                                        1 if external else int(cfg.dist.get("nnodes") or 1)))
     try:
-        _start_ranks(cfg, job, container, run_dir, external, choice, lambda exc: _agent_stuck(exc, run_dir, record))
+        _start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc
@@ -190,10 +190,12 @@ def _agent_stuck(exc: BaseException, run_dir: str, record) -> None:
     os._exit(1)
 
 
-def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, external: bool, choice,
-                 on_agent_stuck=None) -> None:
-    """Run the job's ranks and wait: as this rank of an external launcher, in this process (world size 1, unless
-    the allocator ``choice`` needs a process started with another environment), or as local rank processes."""
+def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, choice, on_agent_stuck=None) -> None:
+    """Run the job's ranks and wait: as this rank of an external launcher (``choice`` None: the ranks already
+    exist with their allocator), in this process (world size 1, unless the allocator ``choice`` needs a process
+    started with another environment), or as local rank processes (``on_agent_stuck``: see
+    ``launchers.local.Rendezvous``)."""
+    external = choice is None
     from disteval.comm import RankEnv
     from disteval.engine import run_rank
     from launchers.local import launch_local, run_single
