@@ -20,7 +20,9 @@ from typing import Callable
 
 from diagnostics.evidence import load_run
 from diagnostics.machine import Diagnosis, diagnose
-from diagnostics.remedies import merge_overrides, rerun_command, run_overrides
+from omegaconf import OmegaConf
+
+from diagnostics.remedies import merge_overrides, rerun_command, run_overrides, shell_line
 
 
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
@@ -110,9 +112,29 @@ def _refusal(diag: Diagnosis, tried: set) -> str | None:
     if not remedy.changes_cause:
         return (f"not applying the remedy of {where}: it cannot change the cause ({remedy.why}); a rerun would fail "
                 "the same way: stopping")
+    by_hand = _nodes_started_by_hand(diag.run)
+    if by_hand:
+        line = shell_line(rerun_command(merge_overrides(run_overrides(diag.run), remedy.overrides)), remedy.env,
+                          remedy.unset)
+        return (f"not applying the remedy of {where} here: the run spanned nodes {', '.join(by_hand)}, each started "
+                f"by hand, and --apply reruns on this machine only; run on every node (with its own dist.node_rank "
+                f"where the run set one): {line}")
     if (diag.failure_key(), remedy.key()) in tried:
         return (f"{remedy.describe()} was already tried for {where} (this or an earlier --apply): stopping")
     return None
+
+
+def _nodes_started_by_hand(run) -> list[str]:
+    """The hosts of a run that spanned several nodes without a scheduler that --apply can resubmit to (the
+    submitit launchers start every node themselves): [] when one node, or when scheduled."""
+    hosts = sorted({str(s.get("host")) for s in run.statuses.values() if s and s.get("host")} | set(run.node_launches))
+    nnodes = int(run.cfg("dist.nnodes", 1) or 1)
+    if len(hosts) < 2 and nnodes < 2:
+        return []
+    target = str(OmegaConf.select(run.hydra, "hydra.launcher._target_", default="") if run.hydra is not None else "")
+    if "submitit" in target or run.job is not None:
+        return []
+    return hosts if len(hosts) > 1 else hosts + [f"{nnodes - len(hosts)} more"]
 
 
 def _remedy_key(remedy: dict) -> tuple:

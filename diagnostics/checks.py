@@ -29,6 +29,7 @@ from diagnostics.findings import STATUSES, Finding, culprit as _culprit, error_e
 from diagnostics.findings import status_ev as _status_ev, what_was_found
 from diagnostics.init_checks import (STALL as _STALL, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
+from diagnostics.links import comm_links, slow_link
 from diagnostics.liveness import examine
 from diagnostics.mesh_checks import comm_mesh_hang, comm_tp_peers, mesh_of, shards_mesh
 from diagnostics.phases import rank_phase
@@ -254,7 +255,7 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
         return Finding("COMM", "timeout", "fail", f"rank {r} stopped: its heartbeat stopped {gap:.0f} s before its peers "
                        f"gave up waiting, in {recorded_progress(s)}: the process was stopped (SIGSTOP, a debugger), froze "
                        f"or died{unseen}, so it was not slow", ev, remedy, culprit=r, phase=phase)
-    link = _link_failed(run, timed, kind)
+    link = _link_failed(run, timed, kind) or slow_link(run, timed, phase)
     if link is not None:
         return link
     return _slow_rank(run, r, ev, probes, kind == "alive", phase)
@@ -565,6 +566,7 @@ CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
     "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
     "SHARDS": [shards_plan, shards_mesh, shards_coverage],
     "CONVERGENCE": [convergence_trials, convergence_flags, convergence_reference],
-    "COMM": [comm_timeout, comm_tp_peers, comm_mesh_hang, comm_heartbeats, comm_mismatch, comm_stragglers],
+    "COMM": [comm_timeout, comm_tp_peers, comm_mesh_hang, comm_heartbeats, comm_mismatch, comm_stragglers,
+             comm_links],
     "RESULT": [result_outliers, result_sanity],
 }

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from diagnostics.apply import apply_remedies
 from diagnostics.compare import load_records, run_compare
@@ -84,7 +85,7 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
         if not args.json:
             print_diagnosis(diag, console, args.verbose)
         if args.apply and diag.verdict is not None:
-            log = (lambda m: None) if args.json else (lambda m: console.print(f"[cyan]doctor --apply:[/] {m}",
+            log = (lambda m: None) if args.json else (lambda m: console.print(f"[cyan]doctor --apply:[/] {escape(m)}",
                                                                               soft_wrap=True, highlight=False))
             final, attempts, stopped = apply_remedies(diag, max_attempts=args.max_attempts, backoff_s=args.backoff_s,
                                                       timeout_s=args.attempt_timeout_s, log=log)

@@ -29,6 +29,7 @@ class Finding:
     remedy: Remedy | None = None
     culprit: int | None = None
     phase: str | None = None
+    nodes: list[str] | None = None  # a cause that is a link, not a rank: the nodes it joins (no culprit rank)
 
     def __post_init__(self) -> None:
         assert self.status in STATUSES, self.status
@@ -38,7 +39,8 @@ class Finding:
     def as_dict(self) -> dict:
         return {"state": self.state, "check": self.check, "status": self.status, "finding": self.finding,
                 "phase": self.phase, "evidence": [e.as_dict() for e in self.evidence],
-                "remedy": self.remedy.as_dict() if self.remedy else None, "culprit_rank": self.culprit}
+                "remedy": self.remedy.as_dict() if self.remedy else None, "culprit_rank": self.culprit,
+                "culprit_nodes": self.nodes}
 
 
 def status_ev(run: Run, r: int, fld: str) -> Evidence:

@@ -51,6 +51,8 @@ class Diagnosis:
         v = self.verdict
         if v and v.culprit is not None:
             return v.culprit
+        if v and v.nodes:  # a link between nodes, not a rank, is the cause
+            return None
         if self.run.launch and (self.run.launch.get("error") or {}).get("rank") is not None:
             return int(self.run.launch["error"]["rank"])
         return None

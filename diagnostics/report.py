@@ -66,7 +66,8 @@ def as_dict(diag: Diagnosis, probes: dict | None = None, attempts: list[dict] | 
         "run_dir": str(diag.run.path),
         "verdict": None if v is None else {"state": v.state, "check": v.check, "status": v.status,
                                           "finding": v.finding, "phase": v.phase,
-                                          "evidence": [e.as_dict() for e in v.evidence], "culprit_rank": v.culprit},
+                                          "evidence": [e.as_dict() for e in v.evidence], "culprit_rank": v.culprit,
+                                          "culprit_nodes": v.nodes},
         "culprit_rank": diag.culprit,
         "remedy": None if remedy is None else {**remedy.as_dict(), "command": remedy_command(diag)},
         "checks": [f.as_dict() for f in diag.findings],
@@ -103,6 +104,8 @@ def print_diagnosis(diag: Diagnosis, console: Console, verbose: bool = False) ->
         console.print(f"[bold green]verdict: healthy[/]{extra}: no check failed", soft_wrap=True)
         return
     culprit = f", culprit rank {diag.culprit}" if diag.culprit is not None else ""
+    if diag.verdict is not None and diag.verdict.nodes:
+        culprit = f", culprit: the link between {' and '.join(diag.verdict.nodes)}"
     phase = f", {v.phase}: {describe(v.phase)}" if v.phase else ""
     head = f"[bold red]verdict: {v.state} failed[/] ({v.check}" if v.status == "fail" else \
         f"[bold yellow]verdict: unknown[/] ({v.state}/{v.check}"

@@ -92,10 +92,12 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
     ctx.status.update(force=True, joined=time.time())
     cc, status = cfg.communication, ctx.status
     ctx.comm = Communicator("cpu" if ctx.backend == "gloo" else ctx.device,
-                            on_collective=lambda op, n: _collective_started(ctx, op, n),
+                            on_collective=lambda op, n, info: _collective_started(ctx, op, n, info),
                             async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
-                            max_in_flight=cc.max_in_flight)
+                            max_in_flight=cc.max_in_flight, progress_bytes=cc.progress_bytes)
+    ctx.comm.timeout_s = float(cc.timeout_s)
     ctx.comm.on_complete = lambda record: _collective_finished(ctx, record)
+    ctx.comm.on_progress = lambda op, done, total: _collective_progress(ctx, done)
     if agree_run_dir and env is not None:
         _agree_run_dir(ctx)
     if env is not None:
@@ -123,18 +125,30 @@ def _store_unreachable(ctx: RankContext, error: str) -> None:
         "endpoint": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"})
 
 
-def _collective_started(ctx: RankContext, op: str, nbytes: int) -> None:
-    """status.json ``in_flight`` {op, bytes, since, peers} written (and published) before the collective runs:
-    the evidence that survives a rank killed or frozen inside it (the role of NCCL's flight recorder): which
-    collective, with which peers, how many bytes it was to move and since when."""
-    peers = [r for r in range(ctx.world_size) if r != ctx.rank]
-    ctx.status.update(force=True, last_collective={"op": op, "bytes": nbytes},
-                      in_flight={"op": op, "bytes": nbytes, "since": time.time(), "peers": peers})
+def _collective_started(ctx: RankContext, op: str, nbytes: int, info: dict) -> None:
+    """status.json ``in_flight`` written (and published) before the collective runs: the evidence that survives a
+    rank killed or frozen inside it (the role of NCCL's flight recorder): ``op``, ``bytes`` (this rank's
+    payload), ``wire_bytes`` (what it moves through this rank's link, ``disteval.comm.collectives.wire_bytes``),
+    ``since`` (epoch seconds), ``peers`` (global ranks), ``payload`` ({name, dtype, compressible, ...} for a
+    metric state's gather); ``bytes_done`` / ``t_done`` as pieces finish (``_collective_progress``)."""
+    flight = {"op": op, "bytes": nbytes, "since": time.time(), "bytes_done": 0, **info}
+    ctx.status.update(force=True, last_collective={"op": op, "bytes": nbytes}, in_flight=flight)
+
+
+def _collective_progress(ctx: RankContext, done: int) -> None:
+    """status.json ``in_flight.bytes_done`` / ``t_done``: a piece of the collective under way finished (written at
+    the status interval; a failure's final write carries the last value)."""
+    flight = ctx.status.record.get("in_flight")
+    if flight:
+        ctx.status.update(in_flight={**flight, "bytes_done": int(done), "t_done": time.time()})
 
 
 def _collective_finished(ctx: RankContext, record: dict) -> None:
-    """status.json: ``in_flight`` cleared, ``collectives_done`` the last finished ones {op, bytes, seconds, t_end}
-    (achieved throughput per collective: the doctor tells a slow link from a slow rank with it)."""
+    """status.json: ``in_flight`` cleared, ``collectives_done`` the last finished ones {op, bytes, wire_bytes,
+    seconds, t_end} (achieved throughput per collective: the doctor tells a slow link from a slow rank with it)."""
+    flight = ctx.status.record.get("in_flight") or {}
+    if flight.get("op") == record["op"] and flight.get("wire_bytes") is not None and flight.get("bytes"):
+        record["wire_bytes"] = int(flight["wire_bytes"] * record["bytes"] / flight["bytes"])
     ctx.status.update(in_flight=None, collectives_done=list(ctx.comm.history)[-8:])
 
 

@@ -236,7 +236,9 @@ class CommunicationConfig:
     compression: none | lossless | fp16 | bf16 for gathered states; compress_states: which gather-states it
     applies to (null = all; fp16/bf16 round only states a metric declares compressible, naming an exact one
     is an error). async_threshold_bytes: payloads above it go in asynchronous chunks of chunk_bytes with at
-    most max_in_flight outstanding (null = never chunk). reduce_scatter_min_bytes: sliceable sum-states
+    most max_in_flight outstanding (null = never chunk). progress_bytes: smaller payloads above it go in 8
+    asynchronous pieces, each finished one recorded in the rank's status (``in_flight.bytes_done``: how far a
+    hung collective got, and the link throughput the doctor reports; null = one call). reduce_scatter_min_bytes: sliceable sum-states
     above it (a large confusion matrix) are reduce-scattered and finished per slice (null = never)."""
 
     backend: Backend = Backend.auto
@@ -246,6 +248,7 @@ class CommunicationConfig:
     compress_states: Optional[List[str]] = None
     async_threshold_bytes: Optional[int] = 64 * 1024 * 1024
     chunk_bytes: int = 16 * 1024 * 1024
+    progress_bytes: Optional[int] = 64 * 1024
     max_in_flight: int = 2
     reduce_scatter_min_bytes: Optional[int] = 64 * 1024 * 1024
     profile: str = "none"
@@ -257,6 +260,7 @@ class CommunicationConfig:
         _finite_positive("communication.sync_timeout_s", self.sync_timeout_s, nullable=True, most=MAX_TIMEOUT_S)
         _at_least("communication.async_threshold_bytes", self.async_threshold_bytes, 0, nullable=True)
         _at_least("communication.chunk_bytes", self.chunk_bytes, 1)
+        _at_least("communication.progress_bytes", self.progress_bytes, 0, nullable=True)
         _at_least("communication.max_in_flight", self.max_in_flight, 1)
         _at_least("communication.reduce_scatter_min_bytes", self.reduce_scatter_min_bytes, 0, nullable=True)
 

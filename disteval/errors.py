@@ -86,3 +86,17 @@ class RendezvousError(DistevalError):
         """The fields recorded beside the message in launch.json."""
         return {"node": self.node, "endpoint": self.endpoint, "reason": self.reason, "seconds": self.seconds,
                 "cause": self.cause, "nnodes": self.nnodes}
+
+
+class CollectiveTimeout(DistevalError, TimeoutError):
+    """A collective sent in pieces (``disteval.comm.collectives``) was still moving when its timeout ran out: the
+    timeout bounds the whole collective, not each piece. ``op``, ``nbytes`` (this rank's payload), ``done`` (bytes
+    of it moved), ``seconds`` (elapsed), ``timeout_s``. The message says the measured rate and the time the
+    whole payload would have needed."""
+
+    def __init__(self, op: str, nbytes: int, done: int, seconds: float, timeout_s: float):
+        self.op, self.nbytes, self.done, self.seconds, self.timeout_s = op, int(nbytes), int(done), seconds, timeout_s
+        rate = done / seconds if seconds > 0 else 0.0
+        need = f"; at that rate all of it needs {nbytes / rate:.1f} s" if rate > 0 else ""
+        super().__init__(f"{op} timed out after {seconds:.1f} s (timeout {timeout_s:g} s) with {done:,} of "
+                         f"{nbytes:,} bytes moved ({rate / 1e6:.3f} MB/s){need}")

@@ -65,7 +65,7 @@ _NETWORK_PATTERNS = re.compile(
     r"SIGTERM|terminated by signal",
     re.IGNORECASE,
 )
-_NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "PeerFailedError",
+_NETWORK_TYPES = {"DistNetworkError", "DistBackendError", "DistStoreError", "PeerFailedError", "CollectiveTimeout",
                   "ConnectionError", "ConnectionResetError", "BrokenPipeError", "TimeoutError",
                   "SignalException", "KeyboardInterrupt", "RunInterrupted"}  # interrupts come from outside
 INTERRUPT_TYPES = {"SignalException", "KeyboardInterrupt", "RunInterrupted"}

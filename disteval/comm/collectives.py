@@ -15,6 +15,10 @@ runs under the process group's timeout, and is counted (number and bytes sent by
   payload), e.g. the run directory and run metadata.
 - ``set_timeout``: a different timeout for later collectives (the final synchronisation).
 
+Progress: a payload larger than ``progress_bytes`` (and not chunked already) goes in ``PROGRESS_PIECES``
+asynchronous pieces, and ``on_progress(op, bytes_done, bytes_total)`` is called as each finishes: a rank's records
+then say how many bytes a collective had moved when it hung, and at what rate the link carried them.
+
 Adaptive mode: a payload larger than ``async_threshold_bytes`` goes in chunks of ``chunk_bytes`` with
 asynchronous collectives, at most ``max_in_flight`` outstanding, written straight into the result buffer:
 the backend's temporary buffers then hold chunk_bytes x max_in_flight (x W for gathers) instead of the whole
@@ -40,10 +44,12 @@ import torch.distributed as dist
 from disteval.comm import compression as cz
 from disteval.comm import topk as _topk
 from disteval.common.ranges import shard_bounds
+from disteval.errors import CollectiveTimeout
 
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
            torch.float16, torch.bfloat16, torch.int8, torch.int16]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+PROGRESS_PIECES = 8
 _MAX_DIMS = 6
 _META = 3 + _MAX_DIMS + 5  # rows, dtype code, ndim, trailing dims, min, max, exact-f32, abs err, rel err
 
@@ -58,6 +64,21 @@ def _i2f(i: int) -> float:
 
 # all_gather_into_tensor was renamed all_gather_single (the old name warns in torch 2.14)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wire_bytes(op: str, nbytes: int, world_size: int, root: bool = True) -> int:
+    """Bytes a collective moves through one rank's link (sent or received, the larger) for a payload of
+    ``nbytes`` per rank, by the standard cost of the algorithm (ring all_gather / all_reduce; direct gather and
+    broadcast; ``root``: this rank is the one that receives a gather or sends a broadcast). The throughput the
+    doctor reports is these bytes over the collective's seconds. Ops not listed count ``nbytes``."""
+    w = max(int(world_size), 1)
+    if op.startswith("all_gather") or (op == "gather" and root):
+        return (w - 1) * nbytes
+    if op == "all_reduce":
+        return 2 * (w - 1) * nbytes // w
+    if op == "reduce_scatter":
+        return (w - 1) * nbytes // w
+    return nbytes
 
 
 class _RankOrderSum:
@@ -81,10 +102,14 @@ class Communicator:
 
     Args:
         device: where collective buffers live (CPU for gloo, the rank's CUDA device for nccl).
-        on_collective: called as ``on_collective(op, nbytes)`` before each collective (status records).
+        on_collective: called as ``on_collective(op, nbytes, info)`` before each collective (status records);
+            ``info``: ``wire_bytes`` (``wire_bytes()``), ``peers`` (the other members' global ranks) and, for a
+            metric state's gather, ``payload`` ({name, dtype, compressible, compression, wire}).
         async_threshold_bytes: payloads above this size (bytes) go in asynchronous chunks; None = never.
         chunk_bytes: bytes per chunk in that mode (>= 1).
         max_in_flight: chunks outstanding at once (>= 1).
+        progress_bytes: payloads above this size (bytes) that are not chunked go in ``PROGRESS_PIECES``
+            asynchronous pieces, each reported to ``on_progress`` (None = one call).
         group: the process group its collectives run over (None = the default group, all ranks); under a
             device mesh, e.g. the data-parallel group (``disteval.comm.mesh``). ``rank``, ``world_size``,
             ``src`` and ``dst`` are then ranks *within* the group.
@@ -95,9 +120,10 @@ class Communicator:
     """
 
     def __init__(self, device: torch.device | str = "cpu",
-                 on_collective: Callable[[str, int], None] | None = None,
+                 on_collective: Callable[[str, int, dict], None] | None = None,
                  async_threshold_bytes: int | None = 64 * 1024 * 1024, chunk_bytes: int = 16 * 1024 * 1024,
-                 max_in_flight: int = 2, group: dist.ProcessGroup | None = None):
+                 max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
+                 progress_bytes: int | None = None):
         if chunk_bytes < 1 or max_in_flight < 1:
             raise ValueError(f"chunk_bytes and max_in_flight must be >= 1, got {chunk_bytes}, {max_in_flight}")
         self.device = torch.device(device)
@@ -105,6 +131,10 @@ class Communicator:
         self.on_collective = on_collective
         self.async_threshold_bytes = async_threshold_bytes
         self.chunk_bytes, self.max_in_flight = int(chunk_bytes), int(max_in_flight)
+        self.progress_bytes = progress_bytes
+        self.timeout_s: float | None = None  # the process group's timeout, when known: bounds a collective's pieces
+        self.on_progress: Callable[[str, int, int], None] | None = None
+        self.payload: dict | None = None  # what the collective under way carries: {name, dtype, compressible}
         self.collectives = 0
         self.bytes = 0
         self.by_op: Counter = Counter()
@@ -124,16 +154,26 @@ class Communicator:
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def _note(self, op: str, nbytes: int) -> None:
-        """A collective of ``nbytes`` (this rank's payload) starts: counted, and announced to ``on_collective``
-        (the rank's status record: what it waits in, should it never return)."""
+    def _note(self, op: str, nbytes: int, announce: bool = True) -> None:
+        """A collective of ``nbytes`` (this rank's payload) starts: counted, and (``announce``) announced to
+        ``on_collective`` (the rank's status record: what it waits in, should it never return)."""
         self.collectives += 1
         self.bytes += nbytes
         self.by_op[op] += 1
         self.bytes_by_op[op] += nbytes
         self._open.append((op, nbytes, time.perf_counter()))
-        if self.on_collective is not None:
-            self.on_collective(op, nbytes)
+        if announce:
+            self._announce(op, nbytes)
+
+    def _announce(self, op: str, nbytes: int, root: bool = True) -> None:
+        if self.on_collective is None:
+            return
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        me = members[self.rank]
+        info = {"wire_bytes": wire_bytes(op, nbytes, len(members), root), "peers": [r for r in members if r != me]}
+        if self.payload is not None:
+            info["payload"] = dict(self.payload)
+        self.on_collective(op, nbytes, info)
 
     def _close(self) -> None:
         """The collectives noted since the last call have finished: their seconds (wall time from the start of
@@ -166,30 +206,54 @@ class Communicator:
                 "chunked": self.chunked, "compression": dict(self.compression)}
 
     def _run(self, op: str, numel: int, itemsize: int, launch: Callable[[int, int, bool], object],
-             chunkable: bool = True) -> None:
+             chunkable: bool = True, root: bool = True) -> None:
         """Issue ``launch(lo, hi, async_op)`` over element range [0, numel): once synchronously when the
-        payload is at most ``async_threshold_bytes`` (or not ``chunkable``), else chunk by chunk with at most
-        ``max_in_flight`` asynchronous works outstanding. ``numel`` must be equal on every rank (it decides
-        the chunking)."""
+        payload is small (``_step``) or not ``chunkable``, else piece by piece with at most ``max_in_flight``
+        asynchronous works outstanding. ``numel`` must be equal on every rank (it decides the pieces). With
+        ``timeout_s`` known, the pieces share it: CollectiveTimeout once it has passed with pieces left (the
+        backend bounds each piece by it too)."""
         nbytes = numel * itemsize
-        if (not chunkable or self.async_threshold_bytes is None or nbytes <= self.async_threshold_bytes
-                or numel == 0):
-            self._note(op, nbytes)
+        step = self._step(nbytes, itemsize) if chunkable and numel else None
+        if step is None:
+            self._note(op, nbytes, announce=False)
+            self._announce(op, nbytes, root)
             launch(0, numel, False)
             self._close()
             return
-        step = max(1, self.chunk_bytes // itemsize)
+        self._announce(op, nbytes, root)  # the whole payload, once: what the rank waits in
         pending: deque = deque()
+        done, t0 = 0, time.perf_counter()
+
+        def finish_one():
+            nonlocal done
+            work, size = pending.popleft()
+            work.wait()
+            done += size
+            if self.on_progress is not None:
+                self.on_progress(op, done, nbytes)
+            elapsed = time.perf_counter() - t0
+            if self.timeout_s is not None and done < nbytes and elapsed > self.timeout_s:
+                raise CollectiveTimeout(op, nbytes, done, elapsed, self.timeout_s)
+
         for lo in range(0, numel, step):
             hi = min(numel, lo + step)
             if len(pending) >= self.max_in_flight:
-                pending.popleft().wait()
-            self._note(op, (hi - lo) * itemsize)
-            pending.append(launch(lo, hi, True))
+                finish_one()
+            self._note(op, (hi - lo) * itemsize, announce=False)
+            pending.append((launch(lo, hi, True), (hi - lo) * itemsize))
         while pending:
-            pending.popleft().wait()
+            finish_one()
         self._close()
         self.chunked += 1
+
+    def _step(self, nbytes: int, itemsize: int) -> int | None:
+        """Elements per piece of an ``nbytes`` payload, or None for one synchronous call: ``chunk_bytes`` above
+        ``async_threshold_bytes``, else 1/``PROGRESS_PIECES`` of it above ``progress_bytes``."""
+        if self.async_threshold_bytes is not None and nbytes > self.async_threshold_bytes:
+            return max(1, self.chunk_bytes // itemsize)
+        if self.progress_bytes is not None and nbytes > self.progress_bytes:
+            return max(1, -(-nbytes // (PROGRESS_PIECES * itemsize)))
+        return None
 
     def all_reduce_coalesced(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sum each tensor across ranks with one all_reduce per dtype (names sorted for a fixed layout).
@@ -326,7 +390,12 @@ class Communicator:
         wire_rows = [cz.encoded_rows(p, r, row_numel) for r in rows]
         row_bytes = p.wire_dtype.itemsize * (1 if p.kind == "bits" else row_numel)
         wire = (early if early is not None else cz.encode(tensor, p)).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)
-        parts = self._gather_sized(wire, wire_rows, dst)
+        self.payload = {"name": name, "dtype": str(tensor.dtype).replace("torch.", ""), "compressible": compressible,
+                        "compression": compression, "wire": p.kind}
+        try:
+            parts = self._gather_sized(wire, wire_rows, dst)
+        finally:
+            self.payload = None
         if name is not None and compression != "none":
             wire_row_numel = 1 if p.kind == "bits" else row_numel
             self.compression[name] = {
@@ -394,7 +463,7 @@ class Communicator:
                 return dist.all_gather(outs, flat[lo:hi], async_op=async_op, group=self.group)
             return dist.gather(flat[lo:hi], gather_list=outs, group_dst=dst, async_op=async_op, group=self.group)
 
-        self._run("all_gather" if dst is None else "gather", flat.numel(), flat.element_size(), launch)
+        self._run("all_gather" if dst is None else "gather", flat.numel(), flat.element_size(), launch, root=receive)
         if out is None:
             return None
         out = out.cpu().reshape((self.world_size, *padded.shape))
@@ -427,6 +496,7 @@ class Communicator:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),
         e.g. a larger one for the final synchronisation so that a slow but alive rank does not fail the run."""
         dist.set_timeout(timedelta(seconds=float(seconds)), group=self.group)
+        self.timeout_s = float(seconds)
 
     def broadcast_json(self, obj: dict | None, src: int = 0) -> dict:
         """Broadcast a JSON-serialisable dict from ``src`` (run metadata: run id, output dir, seed, start
