@@ -71,6 +71,16 @@ def _policy_cases(r: int, res: dict) -> None:
     res["float_reduce_scatter_equal"] = torch.equal(p.view(torch.int64), q.view(torch.int64))
     res["float_reduce_scatter"] = _bits(q)
     res["chunked_count"], res["plain_chunked_count"] = chunked.chunked, plain.chunked
+    # progress pieces (communication.progress_bytes): 8 pieces, each reported, the same bits as one call
+    pieces = Communicator(async_threshold_bytes=None, progress_bytes=64)
+    seen, announced = [], []
+    pieces.on_progress = lambda op, done, total: seen.append((op, done, total))
+    pieces.on_collective = lambda op, nbytes, info: announced.append((op, nbytes, info))
+    big = rank_floats(r, 40)
+    a, b = plain.all_gather_variable(big), pieces.all_gather_variable(big, name="scores", compressible=True)
+    res["progress_equal"] = all(torch.equal(p.view(torch.int64), q.view(torch.int64)) for p, q in zip(a, b))
+    res["progress_seen"] = seen
+    res["progress_announced"] = [(op, n, info) for op, n, info in announced if op == "all_gather"]
     res["chunked_by_op"] = dict(chunked.by_op)
     # lossless: exact round trips, smaller wire
     g = torch.Generator().manual_seed(r)

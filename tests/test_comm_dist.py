@@ -74,6 +74,16 @@ def test_chunked_async_path_is_bit_identical(outcome):
         got = torch.tensor(res["all_reduce"]).view(torch.float64)
         assert ((got - total).abs() <= 4e-16 * scale).all()
         assert res["plain_chunked_count"] == 0 and res["chunked_count"] >= 4
+        # progress pieces: bit-identical, 8 pieces each reported with the bytes done so far, announced once with
+        # the whole payload, its wire bytes (ring all_gather: (W-1) x payload) and what it carries
+        assert res["progress_equal"]
+        size = 40 * 3 * 8  # the largest rank's rows x row bytes (every rank pads to it)
+        assert [d for _, d, _ in res["progress_seen"]] == [size * (k + 1) // 8 for k in range(8)]
+        assert {(op, t) for op, _, t in res["progress_seen"]} == {("all_gather", size)}
+        (op, nbytes, info), = res["progress_announced"]
+        assert nbytes == size and info["wire_bytes"] == 2 * size and sorted(info["peers"]) == sorted({0, 1, 2} - {r})
+        assert info["payload"] == {"name": "scores", "dtype": "float64", "compressible": True, "compression": "none",
+                                   "wire": "raw"}
         assert res["chunked_by_op"]["all_gather"] > 3  # really went in several chunks
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -561,3 +562,63 @@ def test_command_line_up_exec_status_down():
     assert "clab-br" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     gone = subprocess.run([*cli, "status"], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0 and "no lab named 'clab' is running" in gone.stderr
+
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+SLOW_JOB = ("+experiment=fashion_mnist", "eval.metrics=[classification,ranking]")
+
+
+@pytest.mark.skipif(not any(FASHION.glob("t10k-*")), reason=f"Fashion-MNIST not found at {FASHION} "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_slow_link_past_the_timeout(lab, tmp_path):
+    """n2's link shaped to 2 Mbit/s both ways; 2 x 2 ranks gather the AUROC scores (10,000 x 10 float64: 200 kB per
+    rank, 600 kB through each rank's link) under communication.sync_timeout_s=1.5. The gather is still moving when
+    the timeout runs out: every rank fails with CollectiveTimeout (the timeout bounds the whole collective, not
+    each piece), no results.json. The doctor says a slow link, not a dead peer: the collective and its payload
+    (ranking.scores, float64), the bytes, a throughput measured from the records within 2x of the shaped rate,
+    the link's nodes (no culprit rank), and a sync timeout that suffices plus fp16 for the compressible scores;
+    --apply refuses to rerun a run started by hand on two nodes and prints the command for every node. That
+    command, run on both nodes, completes: results.json records fp16 for ranking.scores (and its measured error),
+    the counts' metrics equal a 1-process run's exactly, AUROC and AP move by less than 1e-4 and 1e-3."""
+    ref_dir = tmp_path / "w1"
+    proc = run_disteval(*SLOW_JOB, "dist.world_size=1", run_dir=ref_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = load_results(ref_dir)["metrics"]
+    lab.rate("n2", 2)
+    try:
+        procs, took, run_dir = _run_with_fault(lab, "slow_link", "", lambda run_dir: None, *SLOW_JOB,
+                                               "communication.sync_timeout_s=1.5")
+        assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
+        assert "CollectiveTimeout: all_gather timed out" in " ".join(procs["n1"].stderr.split())
+        assert not (run_dir / "results.json").exists()
+        report = _doctor(run_dir)
+        verdict, remedy = report["verdict"], report["remedy"]
+        assert (verdict["state"], verdict["check"]) == ("COMM", "timeout"), verdict
+        finding = verdict["finding"]
+        assert finding.startswith("a slow link, not a dead peer: the all_gather of ranking.scores (float64)"), finding
+        assert "of 204,800 bytes" in finding and "through the link between node(s) n1, n2" in finding, finding
+        assert report["culprit_rank"] is None and verdict["culprit_nodes"] == ["n1", "n2"]
+        measured = float(finding.split(" Mbit/s through")[0].rsplit(" ", 1)[1])
+        assert 1.0 <= measured <= 4.0, finding  # shaped to 2 Mbit/s
+        timeout = [o for o in remedy["overrides"] if o.startswith("communication.sync_timeout_s=")]
+        assert timeout and float(timeout[0].split("=")[1]) > 1.5 and remedy["changes_cause"] is True, remedy
+        assert "communication.compression=fp16" in remedy["overrides"], remedy
+        apply = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--apply", str(run_dir)], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        said = " ".join(apply.stdout.split())
+        assert "the run spanned nodes n1, n2, each started by hand, and --apply reruns on this machine only" in said
+        assert not (run_dir / "doctor").exists() or not list((run_dir / "doctor").glob("attempt*"))
+        given = ("dist.world_size=", "dist.nnodes=", "dist.rdzv_endpoint=", "communication.timeout_s=")
+        retry = [o for o in shlex.split(remedy["command"])[3:] if not o.startswith(given)]  # _run_with_fault's own
+        procs, _, retry_dir = _run_with_fault(lab, "slow_link_retry", "", lambda run_dir: None, *retry)
+    finally:
+        lab.unrate("n2")
+    for n, p in procs.items():
+        assert p.returncode == 0, f"{n}: {p.stderr[-3000:]}"
+    res = load_results(retry_dir)
+    wire = res["comm"]["compression"]["ranking.scores"]
+    assert wire["mode"] == "fp16" and wire["bytes_after"] * 4 == wire["bytes_before"] and wire["max_abs_error"] > 0
+    exact = {k: v for k, v in reference.items() if not k.startswith(("auroc", "ap"))}  # not the ranking family's
+    assert {k: res["metrics"][k] for k in exact} == exact and "top1" in exact
+    assert abs(res["metrics"]["auroc_macro"] - reference["auroc_macro"]) < 1e-4
+    assert abs(res["metrics"]["ap_macro"] - reference["ap_macro"]) < 1e-3
