@@ -72,13 +72,17 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
             log(stopped)
         fixed = code == 0 and current.verdict is None and run_dir.exists()
         warnings = [f"{f.state}/{f.check}: {f.finding}" for f in current.findings if f.status == "warn"]
+        effect = measured_effect(base, current.run) if run_dir.exists() else {}
         attempts.append({"run_dir": str(run_dir), "overrides": overrides, "env": dict(env), "unset": sorted(unset),
                          "exit_code": code,
                          "verdict": None if current.verdict is None else f"{current.verdict.state}/{current.verdict.check}",
-                         "remedy": remedy.as_dict(), "failure": list(pair[0]), "fixed": fixed, "warnings": warnings})
+                         "remedy": remedy.as_dict(), "failure": list(pair[0]), "fixed": fixed, "warnings": warnings,
+                         "effect": effect})
         _save_history(doctor_dir, history + attempts)
         if fixed:
             log(f"{run_dir.name} has no failing check: fixed by {remedy.describe()} ({remedy.why})")
+            if effect.get("said"):
+                log(f"  measured: {effect['said']}")
             for w in warnings:
                 log(f"  still warns: {w}")
             break
@@ -88,6 +92,27 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         stopped = f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy"
         log(stopped)
     return current, attempts, stopped
+
+
+def measured_effect(before, after) -> dict:
+    """What a rerun measured against the failed run (both ``Run``): the final synchronisation's seconds (the
+    failed run's: the timeout that ended it, when its records say so), and per compressed payload the bytes
+    before and after and the measured error. ``said``: one line for a person."""
+    res = after.results or {}
+    sync = (res.get("timings") or {}).get("sync")
+    failed_after = before.cfg("communication.sync_timeout_s", None) or before.cfg("communication.timeout_s", None)
+    out: dict = {"sync_s": sync, "failed_run_timeout_s": failed_after, "compression": {}}
+    parts = []
+    if sync is not None:
+        parts.append(f"the final synchronisation took {sync:.2f} s" +
+                     (f" (the failed run gave up after {float(failed_after):g} s)" if failed_after else ""))
+    for name, c in sorted(((res.get("comm") or {}).get("compression") or {}).items()):
+        if c.get("bytes_after") is not None and c.get("bytes_before") and c["bytes_after"] < c["bytes_before"]:
+            out["compression"][name] = {k: c.get(k) for k in ("mode", "bytes_before", "bytes_after", "max_abs_error")}
+            parts.append(f"{name} went as {c.get('mode')} in {c['bytes_after']:,} instead of {c['bytes_before']:,} "
+                         f"bytes (max abs error {float(c.get('max_abs_error') or 0):.3g})")
+    out["said"] = "; ".join(parts)
+    return out
 
 
 def _run_attempt(argv: list[str], cwd: str, env: dict[str, str], timeout_s: float) -> tuple[int, str]:

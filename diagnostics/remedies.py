@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 
 @dataclass
 class Remedy:
@@ -64,10 +66,22 @@ def merge_overrides(base: list[str], changes: list[str]) -> list[str]:
     return out
 
 
+def launcher_overrides(run) -> list[str]:
+    """The run's Hydra launcher choice and settings (``hydra/launcher=submitit_slurm``, ``hydra.launcher.*``) from
+    .hydra/hydra.yaml: Hydra keeps them apart from the task's overrides, and a rerun without them would run
+    on this machine instead of resubmitting to the scheduler."""
+    if run.hydra is None:
+        return []
+    given = OmegaConf.select(run.hydra, "hydra.overrides.hydra", default=None) or []
+    return [str(o) for o in given
+            if override_key(str(o)) == "hydra/launcher" or override_key(str(o)).startswith("hydra.launcher.")]
+
+
 def run_overrides(run) -> list[str]:
-    """The overrides that recreate ``run`` with ``python -m disteval``: Hydra's task overrides, plus the world
-    size when an external launcher (torchrun, srun) chose it rather than ``dist.world_size``."""
-    base = list(run.overrides)
+    """The overrides that recreate ``run`` with ``python -m disteval``: the launcher's (``launcher_overrides``),
+    Hydra's task overrides, plus the world size when an external launcher (torchrun, srun) chose it rather than
+    ``dist.world_size``."""
+    base = launcher_overrides(run) + [o for o in run.overrides if override_key(o) != "hydra/launcher"]
     if run.launch is None and run.world_size and run.cfg("dist.world_size") not in (None, run.world_size):
         base = merge_overrides(base, [f"dist.world_size={run.world_size}"])
     return base

@@ -164,3 +164,48 @@ def test_disteval_on_two_nodes_through_submitit_equals_one_process(slab, shared_
     local_proc, local_dir = cli("dist.world_size=1")
     assert local_proc.returncode == 0, local_proc.stderr[-3000:]
     assert res["metrics"] == load_results(local_dir)["metrics"]
+
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.mark.skipif(not any(FASHION.glob("t10k-*")), reason=f"Fashion-MNIST not found at {FASHION} "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
+    """n2's link shaped to 2 Mbit/s; a SLURM job of 2 nodes x 2 ranks gathers the AUROC scores under
+    communication.sync_timeout_s=1.5 and fails with CollectiveTimeout. ``doctor --apply`` (in n1, where the job
+    was submitted) names the slow link between n1 and n2 with its measured throughput, resubmits through SLURM
+    with the remedy (hydra/launcher=submitit_slurm kept: the ranks land on n1 and n2 again) and the retry
+    completes on the same shaped link; attempts.json holds the remedy and its measured effect (the sync's seconds,
+    ranking.scores sent as fp16 in a quarter of the bytes, the measured error)."""
+    lab, cluster = slab
+    run_dir = shared_dir / "run"
+    env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"})
+    lab.rate("n2", 2)
+    try:
+        proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", "hydra/launcher=submitit_slurm",
+                                            "hydra.launcher.timeout_min=10", "dist.world_size=4",
+                                            "dist.ranks_per_node=2", "+experiment=fashion_mnist",
+                                            "eval.metrics=[classification,ranking]", "communication.sync_timeout_s=1.5",
+                                            f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env, timeout=300)
+        assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+        assert "CollectiveTimeout: all_gather timed out" in proc.stderr, proc.stderr[-3000:]
+        doctor = lab.run(cluster.controller, [sys.executable, "-m", "diagnostics", "doctor", "--apply", "--json",
+                                              str(run_dir)], cwd=shared_dir, env=env, timeout=600)
+    finally:
+        lab.unrate("n2")
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert (verdict["state"], verdict["check"]) == ("COMM", "timeout"), verdict
+    assert "a slow link, not a dead peer" in verdict["finding"] and verdict["culprit_nodes"] == ["n1", "n2"], verdict
+    attempts = report["attempts"]
+    assert len(attempts) == 1 and attempts[0]["fixed"] and attempts[0]["exit_code"] == 0, attempts
+    assert attempts[0]["overrides"][:2] == ["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10"]
+    assert "communication.compression=fp16" in attempts[0]["overrides"]
+    retry = load_results(Path(attempts[0]["run_dir"]))
+    assert [p["host"] for p in sorted(retry["per_rank"], key=lambda p: p["rank"])] == ["n1", "n1", "n2", "n2"]
+    effect = attempts[0]["effect"]
+    scores = effect["compression"]["ranking.scores"]
+    assert scores["bytes_after"] * 4 == scores["bytes_before"] == 10000 * 10 * 8 and scores["max_abs_error"] > 0
+    assert effect["sync_s"] == retry["timings"]["sync"] and effect["failed_run_timeout_s"] == 1.5
+    assert doctor.returncode == 0, doctor.stderr[-3000:]
