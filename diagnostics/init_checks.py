@@ -470,6 +470,9 @@ def init_ranks_ran(run: Run, probes: dict | None) -> Finding:
                        f"{culprit.message[:240]}. Found: {found}", ev, phase=None)
     s = run.statuses.get(culprit.rank) or {}
     err = s.get("error") or {}
+    node = None if err else _node_died(run, culprit.rank)
+    if node is not None:  # before "see COMM": a whole node gone at once is not a rank that stalled
+        return node
     if any(e.get("blames") == culprit.rank for e in errors(run).values()) and \
             ((err and is_network_error(err)) or (not err and run.launch is not None)):
         return Finding("INIT", "ranks_ran", "pass", f"no rank died or raised an error of its own (rank {culprit.rank} "
@@ -520,9 +523,6 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
               status_ev(run, r, "samples_done")]
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} {death} without recording an error, in "
                        f"{recorded_progress(s)}", ev, _death_remedy(run, death), culprit=r, phase=phase)
-    node = _node_died(run, r)
-    if not err and node is not None:
-        return node
     if not err and s.get("phase") in ("init", "data", "forward"):
         first = sorted(errors(run))
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} stopped without recording an error in "

@@ -18,7 +18,7 @@ between the loop and the sync, e.g. an embedding task's sharded search, 0 for mo
 rank 0's bootstrap, load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up
 included, to results.json written, null when unknown), throughput {images_per_s (forward only; with eval.compile
 the first batch of each rank, which compiles, is left out), warmup_s (that first batch, slowest rank; null
-without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, backend,
+without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, compression_mode, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
 deterministic, cudnn_benchmark, tf32, model_dtype, channels_last, compile, compile_mode, inference_mode}, device, versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
@@ -576,7 +576,9 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         "timings": dict(run["timings"], forward=slowest),
         "throughput": {"images_per_s": steady_samples / steady if steady > 0 else None,
                        "warmup_s": warmup if warmup > 0 else None},
-        "comm": dict(run["comm"], backend=run["backend"], profile=_plain(cfg.get("communication_profile"))),
+        "comm": dict(run["comm"], backend=run["backend"], profile=_plain(cfg.get("communication_profile")),
+                     compression_mode=str(getattr(cfg.communication.compression, "value",
+                                                  cfg.communication.compression))),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
                       "deterministic": bool(run["compute"]["deterministic"]),
                       "cudnn_benchmark": bool(run["compute"]["cudnn_benchmark"])},

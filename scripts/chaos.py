@@ -28,6 +28,11 @@ evaluate) and concurrent (a second run into the same run directory while the fir
 naming the holder; the first finishes with its results intact). The rounds deal the kinds like cards: every
 block of 9 rounds holds each kind once, in a seeded random order.
 
+Network kinds (scripts/chaos_net.py; only when ``--kinds`` names them: they need the network lab, root and
+namespaces): net_partition_start, net_partition_sync, net_slow_link, net_freeze_node, net_kill_node, each on 2
+lab nodes with the fault on node n2, the same invariants checked on both nodes (a culprit "a rank of n2" where the
+node, not one rank, is at fault; none for a slow link). ``--kinds net_partition_start,...`` alone for a network run.
+
 Prints a table of kinds x (rounds, violations per invariant, outcomes), writes a JSON summary with every round
 (--json), keeps every run directory under --workdir and exits 1 when any invariant was violated (2 when a clean
 reference run fails). ``--round N`` replays round N of the seeded sequence alone (to reproduce a violation).
@@ -53,6 +58,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from disteval.common.ranges import batch_aligned_bounds  # noqa: E402  (the checkout, also when not installed)
+import chaos_net  # noqa: E402  (scripts/chaos_net.py: the network kinds)
 
 TIMEOUT_S = 5.0
 QUICK = ("eval.progress=false", "data.batch_size=16", f"communication.timeout_s={TIMEOUT_S:g}")
@@ -64,6 +70,7 @@ RECHECK_S = 11.0                      # the doctor's heartbeats are stale after 
 RUN_LIMIT_S = 300.0                   # a run still going after this long hangs (generous: 2 shared cores)
 KINDS = ("kill", "stop", "delay_past", "delay_within", "error", "diskfull", "bad_record", "driver_kill",
          "concurrent")
+ALL_KINDS = KINDS + chaos_net.NET_KINDS  # the network kinds run only when --kinds names them (they need the lab)
 INVARIANTS = ("timeout", "no_results", "results_kept", "doctor_exit", "doctor_state", "doctor_culprit", "outcome")
 OUTCOMES = ("ok", "failed", "refused", "killed", "hung", "other")
 SIZES = {"kill": (1, 2, 3), "stop": (2, 3), "delay_past": (2, 3), "delay_within": (1, 2, 3), "error": (1, 2, 3),
@@ -87,6 +94,8 @@ class Drill:
     def faults(self) -> str | None:
         """The DISTEVAL_FAULTS value of the run (None: no in-rank fault)."""
         r, k, s, kind = self.rank, self.batch, self.seconds, self.kind
+        if kind in chaos_net.NET_KINDS:
+            return chaos_net.faults(self)
         if kind in ("kill", "error", "diskfull"):
             return f"{kind}@{r}:batch={k}"
         if kind == "stop":
@@ -112,6 +121,10 @@ def rank_batches(world_size: int, rank: int) -> int:
 
 def draw_drill(rng: random.Random, index: int, kind: str) -> Drill:
     """The parameters of round ``index`` of ``kind``: a world size, a rank, a batch that rank reaches."""
+    if kind in chaos_net.NET_KINDS:
+        drill = Drill(index, kind, 2)
+        chaos_net.draw(rng, drill)
+        return drill
     w = rng.choice(SIZES[kind])
     rank = rng.randrange(w)
     last = min(rank_batches(w, r) for r in range(w))
@@ -278,6 +291,8 @@ def expect(drill: Drill) -> dict:
     """The injected truth: how the run must end (outcome), the doctor's verdict ("STATE/check", None =
     healthy), its culprit rank (None: no rank is at fault) and a phrase its finding must contain."""
     k, w, r = drill.kind, drill.world_size, drill.rank
+    if k in chaos_net.NET_KINDS:
+        return chaos_net.expect(drill)
     if k in ("delay_within", "concurrent"):
         return {"outcome": "ok", "state": None, "culprit": None, "finding": None}
     if k == "bad_record":  # the doctor must name the unreadable record and never call the run healthy
@@ -404,7 +419,7 @@ def check_doctor(rnd: Round, run_dir: Path) -> None:
         rnd.violate("doctor_state", f"verdict status {got['status']}, expected fail ({short})")
     elif exp["finding"] and exp["finding"] not in (got["finding"] or ""):
         rnd.violate("doctor_state", f"the finding does not say {exp['finding']!r} ({short})")
-    if got["culprit"] != exp["culprit"]:
+    if not (got["culprit"] in exp["culprit"] if isinstance(exp["culprit"], tuple) else got["culprit"] == exp["culprit"]):
         rnd.violate("doctor_culprit", f"culprit rank {got['culprit']}, expected {exp['culprit']} ({short})")
     check_kept(rnd, run_dir, before)
 
@@ -422,6 +437,7 @@ class Chaos:
     def __init__(self, workdir: Path, console: Console):
         self.workdir, self.console = workdir, console
         self.references: dict[int, str] = {}
+        self.net = chaos_net.NetDrills()  # the network kinds' lab, started by the first such round
 
     def reference(self, world_size: int) -> str:
         """The canonical metrics of a clean run at ``world_size`` (run once). Raises RuntimeError if it fails."""
@@ -437,10 +453,13 @@ class Chaos:
     def play(self, drill: Drill) -> Round:
         """Run one drill and check every invariant."""
         rnd = Round(drill, expect(drill))
-        run_dir = self.workdir / f"round{drill.index:03d}-{drill.kind}"
+        name = f"round{drill.index:03d}-{drill.kind}"
+        net = drill.kind in chaos_net.NET_KINDS
+        run_dir = self.net.run_dir(name) if net else self.workdir / name  # lab rounds: a folder every node sees
+        rnd.facts["run_dir"] = str(run_dir)
         t0 = time.monotonic()
         action = {"driver_kill": self.driver_kill, "concurrent": self.concurrent,
-                  "bad_record": self.bad_record}.get(drill.kind, self.in_rank)
+                  "bad_record": self.bad_record}.get(drill.kind, self.net.play if net else self.in_rank)
         action(rnd, run_dir)
         if drill.kind != "bad_record":  # checked before the record is corrupted
             check_results(rnd, run_dir, self.reference(drill.world_size) if rnd.outcome == "ok" else None)
@@ -552,17 +571,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(ALL_KINDS)} "
+                        "(default: the single-host kinds; the net_* kinds need the network lab: root, namespaces)")
     parser.add_argument("--round", type=int, default=None, help="replay only this round of the seeded sequence")
     parser.add_argument("--workdir", type=Path, default=None, help="where the run directories go (default: a new "
                         "temporary directory, kept)")
     parser.add_argument("--json", type=Path, default=None, help="write the summary and every round here")
     args = parser.parse_args(argv)
     args.kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    unknown = set(args.kinds) - set(KINDS)
+    unknown = set(args.kinds) - set(ALL_KINDS)
     if unknown or not args.kinds or args.rounds < 1:
-        parser.error(f"unknown kind(s) {sorted(unknown)}; kinds: {','.join(KINDS)}" if unknown else
+        parser.error(f"unknown kind(s) {sorted(unknown)}; kinds: {','.join(ALL_KINDS)}" if unknown else
                      "need at least one kind and one round")
+    why = chaos_net.NetDrills.unavailable(args.kinds)
+    if why:
+        parser.error(why)
     if args.workdir is not None and args.workdir.is_dir() and any(args.workdir.iterdir()):
         parser.error(f"--workdir {args.workdir} is not empty (every round needs a fresh run directory)")
     return args
@@ -586,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         console.print(f"[bold red]chaos: {exc}[/]", highlight=False)
         return 2
+    finally:
+        chaos.net.close()
     refs_agree = len(set(chaos.references.values())) <= 1  # bitwise mode: the same bits at every world size
     rows = summarize(rounds, args.kinds)
     wall = time.monotonic() - t0
