@@ -27,9 +27,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from disteval.common.links import mbit, node_throughput
+
 MAIN_METRICS = ("top1", "AP", "auroc_macro")  # the first one present is the job's main metric
 COLUMNS = ("job", "world_size", "status", "main_metric", "value", "job_wall_s", "eval_s", "forward_images_per_s",
-           "error", "run_dir")
+           "link_mbit_s", "slow_link_node", "error", "run_dir")
 PLOTS = (("job_wall_s", "job wall time (s)\nwhole job: start-up, load, eval, exit"),
          ("eval_s", "evaluation time (s)\nrank 0: load, forward, sync"),
          ("forward_images_per_s", "forward-only throughput (images/s)\nno start-up, loading or sync"),
@@ -47,8 +49,25 @@ def _job_wall(run_dir: Path, results: dict | None) -> float | None:
     return ((results or {}).get("timings") or {}).get("process_wall_s")
 
 
+def _links(run_dir: Path) -> dict[str, Any]:
+    """``link_mbit_s``: the slowest node's achieved link throughput (Mbit/s) over the collectives large enough to
+    measure it (``disteval.common.links``), ``slow_link_node``: that node when the run spans nodes; None when
+    nothing was measured. A forward-slow rank shows in forward_images_per_s, a slow link here."""
+    statuses = {}
+    for path in run_dir.glob("ranks/rank*/status.json"):
+        try:
+            statuses[int(path.parent.name[4:])] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    nodes = node_throughput(statuses)
+    if not nodes:
+        return {"link_mbit_s": None, "slow_link_node": None}
+    host, slowest = min(nodes.items(), key=lambda kv: kv[1]["bps"])
+    return {"link_mbit_s": round(mbit(slowest["bps"]), 3), "slow_link_node": host if len(nodes) > 1 else None}
+
+
 def _job_row(run_dir: Path) -> dict[str, Any]:
-    row: dict[str, Any] = {"job": run_dir.name, "run_dir": str(run_dir)}
+    row: dict[str, Any] = {"job": run_dir.name, "run_dir": str(run_dir), **_links(run_dir)}
     results = run_dir / "results.json"
     if results.is_file():
         res = json.loads(results.read_text())
@@ -103,8 +122,10 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
     _plot(rows, sweep_dir / "summary.png")
     table = Table(title=f"sweep summary: {sweep_dir}",
                   caption="job wall s: the whole job (start-up, load, evaluation, exit); eval s: rank 0's "
-                          "evaluation; forward images/s: forward passes only (no start-up, loading or sync)")
-    for col in ("job", "world size", "status", "metric", "job wall s", "eval s", "forward images/s", "note"):
+                          "evaluation; forward images/s: forward passes only (no start-up, loading or sync); "
+                          "link Mbit/s: the slowest node's achieved throughput in collectives of >= 64 KiB")
+    for col in ("job", "world size", "status", "metric", "job wall s", "eval s", "forward images/s", "link Mbit/s",
+                "note"):
         table.add_column(col, justify="right" if col not in ("status", "note") else "left")
     for r in rows:
         value = "" if r.get("value") is None else f"{r['main_metric']} {r['value']:.6f}"
@@ -112,7 +133,10 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
         wall, ev = ("" if r.get(k) is None else f"{r[k]:.2f}" for k in ("job_wall_s", "eval_s"))
         note = r["flag"] or _short(r.get("error", ""))
         style = "red" if r["status"] != "completed" or r["flag"] else None
-        table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, wall, ev, ips, note, style=style)
+        link = "" if r.get("link_mbit_s") is None else (f"{r['link_mbit_s']:,.1f}" + (
+            f" ({r['slow_link_node']})" if r.get("slow_link_node") else ""))
+        table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, wall, ev, ips, link, note,
+                      style=style)
     (console or Console()).print(table)
     return rows
 

@@ -53,3 +53,58 @@ def test_summary_shows_job_wall_time_and_forward_only_throughput(tmp_path):
     assert (tmp_path / "summary.png").stat().st_size > 0
     titles = dict(sweep.PLOTS)
     assert "job wall time" in titles["job_wall_s"] and "forward-only" in titles["forward_images_per_s"]
+
+
+def _status(job, rank: int, host: str, done: list[dict], flight: dict | None = None) -> None:
+    path = job / "ranks" / f"rank{rank}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "status.json").write_text(json.dumps({"rank": rank, "world_size": 4, "phase": "done", "host": host,
+                                                 "collectives_done": done, "in_flight": flight}))
+
+
+def test_link_throughput_per_node_in_the_summary_and_from_a_hung_collective(tmp_path):
+    """Hand-written records of two jobs on nodes a and b. Job 0: b's ranks moved a 1,000,000-byte all_gather in
+    8 s (1 Mbit/s), a's in 0.08 s (100 Mbit/s); small collectives (< 64 KiB) measure latency and are ignored.
+    Job 1: one collective under way, 250,000 of 1,000,000 bytes moved after 2 s (wire 3x the payload). The
+    summary's link column is the slowest node's figure and names it; the hung collective's rate and the time
+    the whole payload needs come out of ``flight_rate`` exactly."""
+    from disteval.common.links import flight_rate, node_throughput
+
+    small = {"op": "all_reduce", "wire_bytes": 1000, "seconds": 1e-6}
+    job = tmp_path / "0"
+    _job(tmp_path, "0", _results(4, 1000.0, {"total": 1.0}))
+    for rank, host, seconds in ((0, "a", 0.08), (1, "a", 0.08), (2, "b", 8.0), (3, "b", 8.0)):
+        _status(job, rank, host, [small, {"op": "all_gather", "wire_bytes": 1_000_000, "seconds": seconds}])
+    flight = {"op": "all_gather", "bytes": 1_000_000, "wire_bytes": 3_000_000, "bytes_done": 250_000,
+              "since": 100.0, "t_done": 102.0, "payload": {"name": "ranking.scores"}}
+    _status(tmp_path / "1", 0, "a", [small], flight)
+    (tmp_path / "1" / "launch.json").write_text(json.dumps({"world_size": 1}))
+    rate = flight_rate(flight)
+    assert rate["bps"] == 125_000.0 and rate["wire_bps"] == 375_000.0 and rate["needed_s"] == 8.0
+    nodes = node_throughput({0: json.loads((tmp_path / "1/ranks/rank0/status.json").read_text())})
+    assert nodes == {"a": {"ranks": [0], "bps": 375_000.0}}  # 750,000 wire bytes moved: large enough
+    out = io.StringIO()
+    rows = {r["job"]: r for r in sweep.summarize_sweep(tmp_path, console=Console(file=out, width=250,
+                                                                                   color_system=None))}
+    assert rows["0"]["link_mbit_s"] == 1.0 and rows["0"]["slow_link_node"] == "b"
+    assert rows["1"]["link_mbit_s"] == 3.0 and rows["1"]["slow_link_node"] is None
+    assert "1.0 (b)" in out.getvalue() and "link Mbit/s" in out.getvalue()
+    csv_rows = {r["job"]: r for r in csv.DictReader(open(tmp_path / "summary.csv"))}
+    assert csv_rows["0"]["link_mbit_s"] == "1.0" and csv_rows["0"]["slow_link_node"] == "b"
+
+
+def test_doctor_names_the_node_whose_link_is_slow(tmp_path):
+    """The doctor's COMM/links on the same hand-written records: b's links ran at 1 Mbit/s, under a quarter of
+    the median node's (50.5 Mbit/s): warn, naming node b and its first rank; a's alone would pass."""
+    from diagnostics.evidence import load_run
+    from diagnostics.links import comm_links
+
+    for rank, host, seconds in ((0, "a", 0.08), (1, "a", 0.08), (2, "b", 8.0), (3, "b", 8.0)):
+        _status(tmp_path, rank, host, [{"op": "all_gather", "wire_bytes": 1_000_000, "seconds": seconds}])
+    finding = comm_links(load_run(tmp_path), None)
+    assert finding.status == "warn" and finding.culprit == 2, finding
+    assert "node b's link is slow: its ranks [2, 3] moved their collectives at 1.0 Mbit/s" in finding.finding
+    assert "median node's 50.5 Mbit/s" in finding.finding
+    for rank in (2, 3):
+        (tmp_path / "ranks" / f"rank{rank}" / "status.json").unlink()
+    assert comm_links(load_run(tmp_path), None).status == "pass"
