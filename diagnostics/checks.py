@@ -29,7 +29,7 @@ from diagnostics.findings import STATUSES, Finding, culprit as _culprit, error_e
 from diagnostics.findings import status_ev as _status_ev, what_was_found
 from diagnostics.init_checks import (STALL as _STALL, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
-from diagnostics.links import comm_links, slow_link
+from diagnostics.links import comm_links, peer_gone, slow_link
 from diagnostics.liveness import examine
 from diagnostics.mesh_checks import comm_mesh_hang, comm_tp_peers, mesh_of, shards_mesh
 from diagnostics.phases import rank_phase
@@ -252,9 +252,10 @@ def comm_timeout(run: Run, probes: dict | None) -> Finding:
                                            changes_cause=False)
         unseen = (f", or node {s.get('host')} was cut off from this one (its records here are copies relayed "
                   f"through the rendezvous store; {s.get('host')}'s own records say which)") if s.get("relayed") else ""
+        waited, waited_ev = peer_gone(run, r, timed)
         return Finding("COMM", "timeout", "fail", f"rank {r} stopped: its heartbeat stopped {gap:.0f} s before its peers "
                        f"gave up waiting, in {recorded_progress(s)}: the process was stopped (SIGSTOP, a debugger), froze "
-                       f"or died{unseen}, so it was not slow", ev, remedy, culprit=r, phase=phase)
+                       f"or died{unseen}, so it was not slow{waited}", ev + waited_ev, remedy, culprit=r, phase=phase)
     link = _link_failed(run, timed, kind) or slow_link(run, timed, phase)
     if link is not None:
         return link

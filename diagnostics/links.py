@@ -70,6 +70,27 @@ def slow_link(run: Run, timed: dict[int, dict], phase: str | None) -> Finding | 
                    culprit=None, phase=phase, nodes=hosts)
 
 
+def peer_gone(run: Run, culprit: int, timed: dict[int, dict]) -> tuple[str, list[Evidence]]:
+    """What a rank of another node that waited for the stopped ``culprit`` recorded of its collective (status.json
+    ``in_flight``, which outlives the rank; those in ``timed`` first): "; rank q waited in OP with peers [...] for
+    S s: B of N bytes had moved, then nothing (a peer gone, not a slow link)". ("", []) when none recorded one."""
+    host = (run.statuses.get(culprit) or {}).get("host")
+    others = [q for q, s in sorted(run.statuses.items()) if s and q != culprit and s.get("host") != host]
+    for q in sorted(others, key=lambda q: (q not in timed, q)):  # a rank that timed out first
+        s = run.statuses.get(q) or {}
+        flight = s.get("in_flight") or {}
+        if not flight.get("op"):
+            continue
+        end = (s.get("error") or {}).get("time") or s.get("t_update")
+        waited = f" for at least {float(end) - float(flight['since']):.0f} s" if end and flight.get("since") else ""
+        done, total = int(flight.get("bytes_done") or 0), int(flight.get("bytes") or 0)
+        moved = (f"{done:,} of {total:,} bytes had moved, then nothing" if done else
+                 f"none of its {total:,} bytes had moved")
+        return (f"; rank {q} waited in {flight['op']} with peers {flight.get('peers')}{waited}: {moved} (a peer gone, "
+                "not a slow link)", [status_ev(run, q, "in_flight")])
+    return "", []
+
+
 def comm_links(run: Run, probes: dict | None) -> Finding:
     """Achieved throughput per node, from the collectives large enough to measure it. Warn when a node's links
     ran ``SLOW_FACTOR`` times slower than the median node's (a slow link; a rank slow in its forward pass is

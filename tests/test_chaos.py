@@ -38,3 +38,31 @@ def test_seeded_chaos_rounds_keep_every_invariant(tmp_path):
     assert cells[:9] == ["total", "3", "0", "0", "0", "0", "0", "0", "0"], cells
     assert cells[9:15] == ["1", "2", "0", "0", "0", "0"], cells
     assert "0 violation(s) in 0 round(s)" in proc.stdout
+
+
+NET_KINDS = ("net_partition_start", "net_partition_sync", "net_slow_link", "net_freeze_node", "net_kill_node")
+
+
+def test_seeded_network_chaos_on_the_lab(tmp_path):
+    """``--kinds`` the five network kinds, 5 rounds: every kind once (dealt like cards), each on 2 lab nodes with
+    the fault on n2; every invariant holds on both nodes: the doctor's verdict and culprit (a rank of n2, none for
+    a slow link or a node that never joined) are the injected truth, no results.json, nothing left running."""
+    from disteval.testing.netlab import NetLab
+
+    reason = NetLab.available()
+    if reason:
+        pytest.skip(reason)
+    summary = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--seed", "7", "--rounds", "5",
+                           "--kinds", ",".join(NET_KINDS), "--workdir", str(tmp_path / "work"), "--json", str(summary)],
+                          capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(summary.read_text())
+    assert sorted(r["drill"]["kind"] for r in report["details"]) == sorted(NET_KINDS)
+    total = report["summary"]["total"]
+    assert total["violations"] == {inv: 0 for inv in total["violations"]} and total["outcomes"] == {"failed": 5}
+    for rnd in report["details"]:
+        want, got = rnd["expected"]["culprit"], rnd["doctor"]["culprit"]
+        assert got in want if isinstance(want, list) else got == want, rnd
+        assert rnd["facts"]["n2_exit"] is not None  # n2's driver ended too (healed or thawed first)
+    assert "0 violation(s) in 0 round(s)" in proc.stdout
