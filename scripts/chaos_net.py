@@ -199,11 +199,11 @@ class NetDrills:
             if not any(left.values()) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        rnd.facts["n2_exit"] = procs["n2"].poll()  # None: n2's driver had not ended by itself
         for n, p in procs.items():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        rnd.facts["n2_exit"] = procs["n2"].returncode
         if any(left.values()):
             rnd.violate("timeout", f"processes of the run still alive {GONE_S:g} s after n1's driver ended: {left}")
             for n, pids in left.items():
