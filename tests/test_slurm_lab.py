@@ -1,8 +1,11 @@
-"""A real 2-node SLURM cluster on the network lab (scripts/slurm/lab_cluster.py on disteval/testing/netlab.py):
-one slurmd in each lab node n1, n2 (their own namespaces, hostnames and addresses 198.18.0.1/.2), the controller
-and accounting in n1, clients run inside n1. A job with 2 nodes x 2 tasks puts its tasks on both nodes and they
-talk over TCP through the lab's bridge; ``python -m disteval hydra/launcher=submitit_slurm`` with 4 ranks on
-2 nodes records hosts n1 and n2 (eth0, the lab addresses) and metrics equal to a 1-process run.
+"""A real SLURM cluster on the network lab (scripts/slurm/lab_cluster.py on disteval/testing/netlab.py): one slurmd
+in each lab node n1, n2, n3 (their own namespaces, hostnames and addresses 198.18.0.1/.2/.3), the controller and
+accounting in n3, clients run inside n3; jobs run on n1 and n2 (n3 excluded), so that a partition between n1 and n2
+leaves both in touch with the controller: the job's fault, not the scheduler's. A job with 2 nodes x 2 tasks puts
+its tasks on both nodes and they talk over TCP through the lab's bridge; ``python -m disteval
+hydra/launcher=submitit_slurm`` with 4 ranks on 2 nodes records hosts n1 and n2 (eth0, the lab addresses) and
+metrics equal to a 1-process run; a slow link and a partition during the synchronisation through SLURM are
+diagnosed as on the torchrun-style path, and ``doctor --apply`` resubmits through SLURM.
 
 The single-node cluster of scripts/slurm/start_cluster.sh is not used nor touched (own root, config, munge key,
 database, daemons; ports only inside the lab's namespaces). Skipped with the reason when SLURM/munge/MariaDB
@@ -11,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -28,19 +32,24 @@ lab_cluster = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec
 _spec.loader.exec_module(lab_cluster)
 
 
+# jobs on n1 and n2 only: n3 holds the controller
+SUBMITIT = ("hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
+            "+hydra.launcher.additional_parameters.exclude=n3")
+
+
 @pytest.fixture(scope="module")
 def slab():
-    """(lab, cluster): a 2-node lab "slab" and its SLURM cluster, for the module."""
+    """(lab, cluster): a 3-node lab "slab" and its SLURM cluster (controller n3, jobs on n1 and n2), for the module."""
     reason = lab_cluster.available()
     if reason:
         pytest.skip(reason)
     from disteval.testing.netlab import NetLab
 
-    lab = NetLab(nodes=2, name="slab")
+    lab = NetLab(nodes=3, name="slab")
     lab_cluster.stop_lab_cluster(lab.dir / "slurm")  # daemons a crashed earlier run left, stopped cleanly
     try:
         lab.start()
-        cluster = lab_cluster.start_lab_cluster(lab)
+        cluster = lab_cluster.start_lab_cluster(lab, controller="n3")
     except BaseException:
         lab_cluster.stop_lab_cluster(lab.dir / "slurm")
         lab.stop()
@@ -109,7 +118,8 @@ def test_two_nodes_two_tasks_each_talk_over_the_lab(slab, shared_dir):
     lab.check_containment()  # the cluster added no address or route: the nodes still reach only each other
     (shared_dir / "tcp_check.py").write_text(TCP_CHECK)
     (shared_dir / "job.sh").write_text(f"#!/bin/bash\nsrun {sys.executable} {shared_dir}/tcp_check.py {shared_dir}\n")
-    proc = lab.run(cluster.controller, ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=5",
+    proc = lab.run(cluster.controller, ["sbatch", "--parsable", "--nodes=2", "--exclude=n3", "--ntasks-per-node=2",
+                                        "--time=5",
                                         f"--output={shared_dir}/slurm-%j.out", str(shared_dir / "job.sh")],
                    cwd=shared_dir, env=cluster.env(), timeout=60)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
@@ -149,9 +159,8 @@ def test_disteval_on_two_nodes_through_submitit_equals_one_process(slab, shared_
     each on its node's eth0 address, and the metrics equal a 1-process local run's exactly."""
     lab, cluster = slab
     run_dir = shared_dir / "run"
-    proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", "hydra/launcher=submitit_slurm",
-                                        "hydra.launcher.timeout_min=10", "dist.world_size=4", "dist.ranks_per_node=2",
-                                        f"hydra.run.dir={run_dir}"],
+    proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4",
+                                        "dist.ranks_per_node=2", f"hydra.run.dir={run_dir}"],
                    cwd=shared_dir, env=cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}),
                    timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -183,8 +192,7 @@ def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
     env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"})
     lab.rate("n2", 2)
     try:
-        proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", "hydra/launcher=submitit_slurm",
-                                            "hydra.launcher.timeout_min=10", "dist.world_size=4",
+        proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4",
                                             "dist.ranks_per_node=2", "+experiment=fashion_mnist",
                                             "eval.metrics=[classification,ranking]", "communication.sync_timeout_s=1.5",
                                             f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env, timeout=300)
@@ -200,7 +208,7 @@ def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
     assert "a slow link, not a dead peer" in verdict["finding"] and verdict["culprit_nodes"] == ["n1", "n2"], verdict
     attempts = report["attempts"]
     assert len(attempts) == 1 and attempts[0]["fixed"] and attempts[0]["exit_code"] == 0, attempts
-    assert attempts[0]["overrides"][:2] == ["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10"]
+    assert attempts[0]["overrides"][:3] == list(SUBMITIT)  # the launcher kept: resubmitted, not run here
     assert "communication.compression=fp16" in attempts[0]["overrides"]
     retry = load_results(Path(attempts[0]["run_dir"]))
     assert [p["host"] for p in sorted(retry["per_rank"], key=lambda p: p["rank"])] == ["n1", "n1", "n2", "n2"]
@@ -209,3 +217,55 @@ def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
     assert scores["bytes_after"] * 4 == scores["bytes_before"] == 10000 * 10 * 8 and scores["max_abs_error"] > 0
     assert effect["sync_s"] == retry["timings"]["sync"] and effect["failed_run_timeout_s"] == 1.5
     assert doctor.returncode == 0, doctor.stderr[-3000:]
+
+
+def _status(run_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_partition_during_the_sync_through_slurm(slab, shared_dir):
+    """A SLURM job of 2 nodes x 2 ranks; rank 0 is held at the synchronisation (a delay drill) while rank 2 (n2)
+    waits in its all_reduce; then n1 and n2 are cut apart silently (blackhole), both still in touch with the
+    controller in n3. Rank 0 fails within about one timeout (12 s); once it has, the link is healed so that SLURM
+    can collect n2's tasks; the job fails, no results.json, and the doctor names the partition between n2 and n1
+    with a rank of n2 as the culprit (never rank 0 or 1, which only waited) and a remedy --apply will not run."""
+    lab, cluster = slab
+    run_dir = shared_dir / "run"
+    env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160",
+                       "DISTEVAL_FAULTS": "delay@0:sync=1,seconds=4"})
+    proc = lab.popen(cluster.controller, [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4",
+                                          "dist.ranks_per_node=2", "communication.timeout_s=12",
+                                          f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 180,
+                  "rank 2 to wait in the all_reduce")
+        assert _status(run_dir, 2)["host"] == "n2"
+        lab.partition("n2", peer="n1", how="blackhole")
+        t_cut = time.monotonic()
+        _wait_for(lambda: _status(run_dir, 0).get("phase") == "failed", 120, "rank 0 to fail")
+        took = time.monotonic() - t_cut
+    finally:
+        lab.heal("n2")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert took < 30, took
+    assert not (run_dir / "results.json").exists()
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(run_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert doctor.returncode == 1 and (verdict["state"], verdict["check"]) == ("COMM", "timeout"), verdict
+    assert "the network between node(s) n2 and n1 failed (a partition)" in verdict["finding"], verdict["finding"]
+    assert report["culprit_rank"] in (2, 3) and report["remedy"]["changes_cause"] is False
