@@ -323,7 +323,43 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
         return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended {state}: "
                        f"{str(job.get('error'))[:200]}", ev,
                        Remedy([], "rerun: the scheduler stopped the job from outside"), phase="scheduler")
+    launch = _srun_launch_failure(run, str(job.get("job_id", "")))
+    if launch is not None:
+        return launch
     return Finding("INIT", "scheduler", "pass", f"SLURM job {job.get('job_id')} state {state} (rank errors below)", ev)
+
+
+_SRUN_LAUNCH = re.compile(r"srun: error: Task launch for StepId=(\S+) failed on node (\S+?): (.+)")
+_STEPD = re.compile(r"slurmstepd-(\S+?):")
+
+
+def _srun_launch_failure(run: Run, job_id: str) -> Finding | None:
+    """srun could not start the job's tasks on a node (submitit's log of the batch step,
+    ``.submitit/<job>/<job>_0_log.err``: "Task launch for StepId=... failed on node NODE: REASON"): the node that
+    srun, on the job's first node, could not reach. None when the logs say nothing of the kind."""
+    if not job_id:
+        return None
+    for path in sorted((run.path / ".submitit" / job_id).glob(f"{job_id}_*_log.err")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for n, line in enumerate(lines, 1):
+            m = _SRUN_LAUNCH.search(line)
+            if not m:
+                continue
+            step, node, reason = m.groups()
+            first = next((h.group(1) for h in map(_STEPD.search, lines) if h), None)
+            src = str(path.relative_to(run.path))
+            between = f"between {first} and {node}" if first and first != node else f"to {node}"
+            return Finding("INIT", "scheduler", "fail", f"SLURM could not start the tasks of step {step} on node {node}: "
+                           f"{reason.strip()} (srun on the job's first node{f' {first}' if first else ''} could not "
+                           f"reach slurmd on {node}); no rank started there, so no rank recorded anything: check the "
+                           f"network connection {between}", [Evidence(src, line.strip()[:300], line=n)],
+                           Remedy([], f"check the network connection {between} (link, routes, firewall; `scontrol "
+                                  f"ping`, `sinfo -N`), then rerun", changes_cause=False), phase="scheduler",
+                           nodes=[h for h in (first, node) if h])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- started

@@ -269,3 +269,37 @@ def test_partition_during_the_sync_through_slurm(slab, shared_dir):
     assert doctor.returncode == 1 and (verdict["state"], verdict["check"]) == ("COMM", "timeout"), verdict
     assert "the network between node(s) n2 and n1 failed (a partition)" in verdict["finding"], verdict["finding"]
     assert report["culprit_rank"] in (2, 3) and report["remedy"]["changes_cause"] is False
+
+
+@pytest.mark.parametrize("how", ["prohibit", "blackhole"])
+def test_node_cut_off_at_start_through_slurm(slab, shared_dir, how):
+    """n1 and n2 cut apart before the submission (refused at once, or silent), both still in touch with the
+    controller: srun on n1 cannot start the tasks on n2 and the job fails before they wrote a record. The
+    doctor reads submitit's log of the batch step: INIT/scheduler names node n2, srun's error and the nodes the
+    link joins, says to check the network connection between n1 and n2, and its remedy is one --apply will not
+    run; the driver ends within about one SLURM message timeout, not a rendezvous timeout of minutes."""
+    lab, cluster = slab
+    run_dir = shared_dir / "run"
+    env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"})
+    lab.partition("n2", peer="n1", how=how)
+    try:
+        t0 = time.monotonic()
+        proc = lab.run(cluster.controller, [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4",
+                                            "dist.ranks_per_node=2", "communication.timeout_s=12",
+                                            f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env, timeout=300)
+        took = time.monotonic() - t0
+    finally:
+        lab.heal("n2")
+    assert proc.returncode == 1 and took < 90, (took, proc.stderr[-3000:])
+    assert not (run_dir / "results.json").exists()
+    assert not list(run_dir.glob("ranks/rank[23]/status.json"))  # n2's ranks never started (n1's may have, briefly)
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(run_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert doctor.returncode == 1 and (verdict["state"], verdict["check"]) == ("INIT", "scheduler"), verdict
+    assert "SLURM could not start the tasks of step" in verdict["finding"] and "on node n2" in verdict["finding"]
+    assert "check the network connection between n1 and n2" in verdict["finding"], verdict["finding"]
+    assert verdict["culprit_nodes"] == ["n1", "n2"] and report["culprit_rank"] is None
+    assert report["remedy"]["changes_cause"] is False
+    assert verdict["evidence"][0]["source"].startswith(".submitit/")
