@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,23 @@ def run_disteval(*overrides: str, run_dir: Path, timeout: float = 300, env: dict
     args = (cmd or [sys.executable, "-m", "disteval"]) + [f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(args, cwd=run_dir.parent, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 0.1 s; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def rank_status(run_dir: Path, rank: int) -> dict:
+    """ranks/rank{rank}/status.json of ``run_dir``, {} while it is missing or being replaced."""
+    try:
+        return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def load_results(run_dir: Path) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHARED, load_results, run_disteval
+from conftest import REPO, SHARED, load_results, rank_status, run_disteval, wait_for
 from disteval.testing.netlab import NetLab
 
 pytestmark = pytest.mark.slow
@@ -412,19 +412,6 @@ def test_external_torchrun_with_loopback_master_refused(lab):
     assert "--local-addr" in said and "dist.local_addr" in said
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _status(run_dir: Path, rank: int) -> dict:
-    try:
-        return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _run_with_fault(lab, name: str, fault: str, during, *overrides: str, node_local: bool = False
@@ -470,8 +457,8 @@ def _cmdline(pid: int) -> bytes:
 
 def _nothing_left(lab) -> None:
     for n in ("n1", "n2"):
-        _wait_for(lambda: not [p for p in lab.pids(n) if b"disteval" in _cmdline(p)], 30,
-                  f"the run's processes on {n} to end")
+        wait_for(lambda: not [p for p in lab.pids(n) if b"disteval" in _cmdline(p)], 30,
+                 f"the run's processes on {n} to end")
 
 
 @pytest.mark.parametrize("where", ["shared", "node-local"])
@@ -483,8 +470,8 @@ def test_partition_during_the_final_sync(lab, where):
     node cut off), never rank 0 or 1 that only waited; no results.json; no process survives on either node."""
     def cut(run_dir):
         seen = lab.node("n2").tmp / run_dir.name if where == "node-local" else run_dir  # rank 2's own record
-        _wait_for(lambda: (_status(seen, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
-                  "rank 2 to wait in the all_reduce")
+        wait_for(lambda: (rank_status(seen, 2).get("in_flight") or {}).get("op") == "all_reduce", 90,
+                 "rank 2 to wait in the all_reduce")
         lab.partition("n2", how="blackhole")
 
     try:
@@ -522,8 +509,8 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
     doctor blames that rank and says what happened: frozen (its heartbeat stopped: no timeout helps) or the
     node died (its launcher and its ranks stopped at once); after a thaw nothing of the run survives."""
     def strike(run_dir):
-        _wait_for(lambda: _status(run_dir, 2).get("batches_done", 0) >= 1 and
-                  _status(run_dir, 3).get("batches_done", 0) >= 1, 90, "ranks 2 and 3 to finish a batch")
+        wait_for(lambda: rank_status(run_dir, 2).get("batches_done", 0) >= 1 and
+                 rank_status(run_dir, 3).get("batches_done", 0) >= 1, 90, "ranks 2 and 3 to finish a batch")
         (lab.freeze if action == "freeze" else lab.kill)("n2")
 
     procs, took, run_dir = _run_with_fault(lab, f"node_{action}", "delay@*:batch=1,seconds=6", strike)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_results
+from conftest import REPO, load_results, rank_status, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -219,19 +219,6 @@ def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
     assert doctor.returncode == 0, doctor.stderr[-3000:]
 
 
-def _status(run_dir: Path, rank: int) -> dict:
-    try:
-        return json.loads((run_dir / "ranks" / f"rank{rank}" / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_partition_during_the_sync_through_slurm(slab, shared_dir):
@@ -249,12 +236,12 @@ def test_partition_during_the_sync_through_slurm(slab, shared_dir):
                                           f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: (_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 180,
-                  "rank 2 to wait in the all_reduce")
-        assert _status(run_dir, 2)["host"] == "n2"
+        wait_for(lambda: (rank_status(run_dir, 2).get("in_flight") or {}).get("op") == "all_reduce", 180,
+                 "rank 2 to wait in the all_reduce")
+        assert rank_status(run_dir, 2)["host"] == "n2"
         lab.partition("n2", peer="n1", how="blackhole")
         t_cut = time.monotonic()
-        _wait_for(lambda: _status(run_dir, 0).get("phase") == "failed", 120, "rank 0 to fail")
+        wait_for(lambda: rank_status(run_dir, 0).get("phase") == "failed", 120, "rank 0 to fail")
         took = time.monotonic() - t_cut
     finally:
         lab.heal("n2")
