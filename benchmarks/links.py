@@ -15,7 +15,8 @@ job runs as 2 nodes x 2 ranks through disteval's multi-node launcher, with node 
 
 Printed per (job, rate, compression): the bytes the ranks' comm layers sent (all ranks, status.json ``comm``),
 the compressible payloads' bytes before/after (results.json ``comm.compression``), rank 0's sync seconds
-(results.json ``timings.sync``) and the metric change against compression off: exactly zero for everything but a
+(results.json ``timings.sync``), rank 0's seconds in collectives over the whole run (``comm.seconds_by_op``: for
+kNN the sharded search's exchanges after the loop, which the sync does not include) and the metric change against compression off: exactly zero for everything but a
 compressed float payload's metrics, whose largest change is printed next to the error results.json measured.
 Then, at the slowest rate, the ratios off/on of the compressible payload's bytes and of the sync time.
 
@@ -107,6 +108,12 @@ def check_pair(job: str, mode: str, off: dict, on: dict) -> list[str]:
     return problems
 
 
+def comm_seconds(res: dict) -> float:
+    """Rank 0's seconds inside collectives over the whole run (results.json ``comm.seconds_by_op``): the
+    synchronisation and, for kNN, the sharded search's exchanges after the loop."""
+    return float(sum((res["comm"].get("seconds_by_op") or {}).values()))
+
+
 def _payload_bytes(res: dict) -> tuple[int, int]:
     """(before, after) summed over the payloads compression changed (results.json comm.compression)."""
     comp = res["comm"]["compression"].values()
@@ -129,7 +136,7 @@ def main() -> int:
         return 0
     table = Table(title="links: compression across a shaped link (2 nodes x 2 ranks, n2 shaped)")
     for col in ("job", "link Mbit/s", "compression", "sent bytes (all ranks)", "compressible bytes before -> after",
-                "sync s", "metric change"):
+                "sync s", "comm s", "metric change"):
         table.add_column(col, justify="left" if col in ("job", "compression") else "right")
     problems, ratios, port = [], [], 29700
     with NetLab(nodes=2, name="blinks") as lab:
@@ -161,7 +168,7 @@ def main() -> int:
                                                        f"{lossy:.2e} (payload error {err:.2e})")
                     payload = f"{before:,} -> {after:,}" if comp != "none" and before else ""
                     table.add_row(job, f"{rate:g}", comp, f"{r['sent']:,}", payload,
-                                  f"{r['results']['timings']['sync']:.3f}", change)
+                                  f"{r['results']['timings']['sync']:.3f}", f"{comm_seconds(r['results']):.3f}", change)
                 if rate == min(args.rates) and before:
                     syncs = (off["results"]["timings"]["sync"], on["results"]["timings"]["sync"])
                     ratios.append((job, rate, before / after, syncs[0] / syncs[1], syncs))

@@ -319,7 +319,16 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
         return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ran out of memory ({state})", ev,
                        Remedy([f"data.batch_size={bs // 2}"] if bs > 1 else [], "a smaller batch needs less memory"
                               if bs > 1 else "ask the scheduler for more memory", changes_cause=bs > 1), phase="scheduler")
-    if state.startswith(("CANCELLED", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL")):
+    if state.startswith("NODE_FAIL"):
+        hosts, ranks = _silent_nodes(run)
+        named = (f": node(s) {', '.join(hosts)} failed (their ranks {ranks} stopped at once without recording an "
+                 "error, before the other ranks failed waiting for them)") if hosts else ""
+        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended NODE_FAIL{named}", ev + [
+            status_ev(run, r, "t_heartbeat") for r in ranks[:2]],
+            Remedy([], "rerun: SLURM sets a failed node DOWN and places the rerun on others" + (
+                f"; look at {', '.join(hosts)} (dmesg, slurmd's log) before it returns" if hosts else "")),
+            culprit=ranks[0] if ranks else None, phase="scheduler")
+    if state.startswith(("CANCELLED", "PREEMPTED", "BOOT_FAIL")):
         return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended {state}: "
                        f"{str(job.get('error'))[:200]}", ev,
                        Remedy([], "rerun: the scheduler stopped the job from outside"), phase="scheduler")
@@ -327,6 +336,26 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
     if launch is not None:
         return launch
     return Finding("INIT", "scheduler", "pass", f"SLURM job {job.get('job_id')} state {state} (rank errors below)", ev)
+
+
+def _silent_nodes(run: Run) -> tuple[list[str], list[int]]:
+    """(hosts, their ranks) of the nodes whose every rank recorded no error and stopped beating before the first
+    rank elsewhere recorded its failure: nodes that died whole."""
+    by_host: dict[str, list[int]] = {}
+    for r, s in sorted(run.statuses.items()):
+        if s and s.get("host"):
+            by_host.setdefault(str(s["host"]), []).append(r)
+    errs = errors(run)
+    hosts, ranks = [], []
+    for host, mine in sorted(by_host.items()):
+        if any((run.statuses[r] or {}).get("error") for r in mine):
+            continue
+        others = [float(e["time"]) for q, e in errs.items() if q not in mine and isinstance(e.get("time"), (int, float))]
+        beats = [float((run.statuses[r] or {}).get("t_heartbeat") or 0) for r in mine]
+        if others and max(beats) <= min(others):
+            hosts.append(host)
+            ranks += mine
+    return hosts, ranks
 
 
 _SRUN_LAUNCH = re.compile(r"srun: error: Task launch for StepId=(\S+) failed on node (\S+?): (.+)")

@@ -290,3 +290,40 @@ def test_node_cut_off_at_start_through_slurm(slab, shared_dir, how):
     assert verdict["culprit_nodes"] == ["n1", "n2"] and report["culprit_rank"] is None
     assert report["remedy"]["changes_cause"] is False
     assert verdict["evidence"][0]["source"].startswith(".submitit/")
+
+
+def test_node_frozen_through_slurm(slab, shared_dir):
+    """Every rank held after its first batch (a delay drill); n2 frozen (SIGSTOP to every process in it, slurmd
+    too). Rank 0 fails within about one timeout; after a thaw the job fails, no results.json, and the doctor blames
+    a rank of n2 whose heartbeat stopped (no timeout helps). (A node killed whole ends the job NODE_FAIL, which the
+    doctor names with the node, ``_silent_nodes``; not run here: SLURM took from 66 s to past 5 minutes to give the
+    job up.)"""
+    lab, cluster = slab
+    run_dir = shared_dir / "run"
+    env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160",
+                       "DISTEVAL_FAULTS": "delay@*:batch=1,seconds=6"})
+    proc = lab.popen(cluster.controller, [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4",
+                                          "dist.ranks_per_node=2", "communication.timeout_s=12", "data.batch_size=16",
+                                          f"hydra.run.dir={run_dir}"], cwd=shared_dir, env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: all(rank_status(run_dir, r).get("batches_done", 0) >= 1 for r in (2, 3)), 180,
+                 "ranks 2 and 3 to finish a batch")
+        lab.freeze("n2")
+        t_fault = time.monotonic()
+        wait_for(lambda: rank_status(run_dir, 0).get("phase") == "failed", 120, "rank 0 to fail")
+        took = time.monotonic() - t_fault
+        lab.thaw("n2")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        lab.thaw("n2")
+    assert proc.returncode == 1 and took < 40, (took, stderr[-3000:])
+    assert not (run_dir / "results.json").exists()
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(run_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert doctor.returncode == 1 and report["culprit_rank"] in (2, 3), verdict
+    assert (verdict["state"], verdict["check"]) == ("COMM", "timeout"), verdict
+    assert "stopped: its heartbeat stopped" in verdict["finding"] and "not slow" in verdict["finding"]
+    assert report["remedy"]["changes_cause"] is False
