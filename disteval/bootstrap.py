@@ -94,8 +94,8 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
     ctx.comm = Communicator("cpu" if ctx.backend == "gloo" else ctx.device,
                             on_collective=lambda op, n, info: _collective_started(ctx, op, n, info),
                             async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
-                            max_in_flight=cc.max_in_flight, progress_bytes=cc.progress_bytes)
-    ctx.comm.timeout_s = float(cc.timeout_s)
+                            max_in_flight=cc.max_in_flight)
+    ctx.comm.timeout_s, ctx.comm.progress_bytes = float(cc.timeout_s), cc.progress_bytes
     ctx.comm.on_complete = lambda record: _collective_finished(ctx, record)
     ctx.comm.on_progress = lambda op, done, total: _collective_progress(ctx, done)
     if agree_run_dir and env is not None:

@@ -26,6 +26,7 @@ from disteval import report
 from disteval.bootstrap import RankContext, apply_compute_settings, connect, log, open_records
 from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import allocator, startup
+from disteval.common.fingerprint import numeric_classes, rank_fingerprint
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError
@@ -70,6 +71,7 @@ class RankRun:
                                        compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
         self.faults = FaultPlan(ctx.rank)
         self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
+        self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         if self.faults and self.model is not None:
             self.faults.on_model(self.model)
         self.seconds_load = time.perf_counter() - t_load
@@ -207,6 +209,7 @@ class RankRun:
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
+                "fingerprint": self.fingerprint,
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
                 **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
@@ -299,6 +302,8 @@ class RankRun:
             "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
             "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
+            "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
+                                                if r.get("fingerprint")}),
             "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
@@ -330,6 +335,12 @@ class RankRun:
         malloc = allocator.summarize([r.get("allocator") for r in rows])
         if malloc and malloc.get("warning"):
             out.append(malloc["warning"])
+        classes = numeric_classes({int(r["rank"]): r["fingerprint"] for r in rows if r.get("fingerprint")})
+        if len(classes) > 1:
+            out.append(f"the ranks ran different kernels ({len(classes)} numeric classes: " + "; ".join(
+                f"ranks {c['ranks']}" + (f" differ in {', '.join(c['differs'])}" if c.get("differs") else "")
+                for c in classes) + "): float metrics may depend on which samples each rank evaluated "
+                "(results.json numeric_classes)")
         idle = [int(r["rank"]) for r in rows if int(r["samples"]) == 0]
         if idle:
             out.append(f"rank(s) {idle} of {self.ctx.world_size} had nothing to evaluate (N={len(self.dataset)} "

@@ -81,12 +81,12 @@ class MeshRun:
         self.groups = build_mesh(self.dims, ctx.device.type)
         base = ctx.comm
         settings = dict(async_threshold_bytes=base.async_threshold_bytes, chunk_bytes=base.chunk_bytes,
-                        max_in_flight=base.max_in_flight, on_collective=base.on_collective,
-                        progress_bytes=base.progress_bytes)
+                        max_in_flight=base.max_in_flight, on_collective=base.on_collective)
         self.dp_comm = Communicator(base.device, group=self.groups.dp_group, **settings)
         self.tp_comm = Communicator(base.device, group=self.groups.tp_group, **settings)
         for sub in (self.dp_comm, self.tp_comm):  # the same status records as the default group's
             sub.on_complete, sub.on_progress, sub.timeout_s = base.on_complete, base.on_progress, base.timeout_s
+            sub.progress_bytes = base.progress_bytes
         self.plan: dict | None = None
         self.tp_check: dict | None = None
 

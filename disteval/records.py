@@ -12,7 +12,9 @@ results.json fields (schema_version 2, see DESIGN.md): schema_version, experimen
 (bitwise | fast), dataset {name, split, root, num_samples, batch_size, num_classes}, task {name, class},
 model {name, weights, checkpoint, class}, metrics {...}, coverage {num_samples, missing, duplicated, out_of_range, ok}, per_rank [{rank,
 host, shard [start, end), samples, batches, metrics {the task's local summary, e.g. accuracy, nll}, seconds
-{load, forward, warmup}, images_per_s (after the warm-up)}], timings {load, forward, sync, after_loop, total,
+{load, forward, warmup}, images_per_s (after the warm-up), fingerprint (``disteval.common.fingerprint``: what
+selects the rank's kernels)}], numeric_classes [{digest, ranks, fingerprint, differs}] (ranks grouped by
+fingerprint; more than one: the ranks ran different kernels, and a warning says so), timings {load, forward, sync, after_loop, total,
 evaluation_s, process_wall_s} (seconds, rank 0's clock; forward = slowest rank; after_loop = the task's work
 between the loop and the sync, e.g. an embedding task's sharded search, 0 for most tasks; evaluation_s = total =
 rank 0's bootstrap, load, forward and sync; process_wall_s = from the driver's start, imports and rank start-up
@@ -537,6 +539,7 @@ def per_rank_record(row: dict, net: dict | None) -> dict:
             "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None,
             "node": net.get("node"), "node_rank": net.get("node_rank"), "interface": net.get("interface"),
             "address": net.get("address"), "ifname_source": net.get("ifname_source"),
+            "fingerprint": row.get("fingerprint"),
             **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
 
 

@@ -72,7 +72,8 @@ def _policy_cases(r: int, res: dict) -> None:
     res["float_reduce_scatter"] = _bits(q)
     res["chunked_count"], res["plain_chunked_count"] = chunked.chunked, plain.chunked
     # progress pieces (communication.progress_bytes): 8 pieces, each reported, the same bits as one call
-    pieces = Communicator(async_threshold_bytes=None, progress_bytes=64)
+    pieces = Communicator(async_threshold_bytes=None)
+    pieces.progress_bytes = 64
     seen, announced = [], []
     pieces.on_progress = lambda op, done, total: seen.append((op, done, total))
     pieces.on_collective = lambda op, nbytes, info: announced.append((op, nbytes, info))

@@ -133,6 +133,35 @@ def test_digits_bit_identical_across_node_layouts(lab, reference, layout):
     # the run directories' names have the same length, so rank 0's broadcast of it has the same size
     assert len(run_dir.name) == len(loop_dir.name)
     assert rank_comm(run_dir) == rank_comm(loop_dir)
+    # the same kernels on every node: one numeric class, no warning (different nodes are no false alarm)
+    assert [c["ranks"] for c in res["numeric_classes"]] == [[0, 1, 2, 3]] and not res["warnings"]
+
+
+def test_nodes_with_different_kernels_form_numeric_classes(lab):
+    """n2 runs with ATEN_CPU_CAPABILITY=default (torch's unvectorised kernels), n1 with what its CPU offers:
+    results.json per_rank records each rank's fingerprint, numeric_classes groups ranks 0-1 and 2-3 and says the
+    classes differ in cpu_capability, and the run's warnings say the ranks ran different kernels."""
+    import torch
+
+    here = torch.backends.cpu.get_cpu_capability()
+    if here == "DEFAULT":
+        pytest.skip("this CPU offers no vectorised kernel set beyond DEFAULT")
+    run_dir = lab.shared / "hetero"
+    endpoint = f"198.18.0.1:{next(_ports)}"
+    cmd = _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}", f"hydra.run.dir={run_dir}",
+                    "communication.timeout_s=60")
+    envs = {"n1": dict(os.environ), "n2": dict(os.environ, ATEN_CPU_CAPABILITY="default")}
+    procs = {n: lab.popen(n, cmd, cwd=REPO, env=envs[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in envs}
+    outs = {n: p.communicate(timeout=240) for n, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), outs["n1"][1][-3000:] + outs["n2"][1][-3000:]
+    res = load_results(run_dir)
+    caps = {p["rank"]: p["fingerprint"]["cpu_capability"] for p in res["per_rank"]}
+    assert caps == {0: here, 1: here, 2: "DEFAULT", 3: "DEFAULT"}, caps
+    classes = res["numeric_classes"]
+    assert [c["ranks"] for c in classes] == [[0, 1], [2, 3]] and classes[1]["differs"] == ["cpu_capability"]
+    assert any("the ranks ran different kernels (2 numeric classes" in w for w in res["warnings"]), res["warnings"]
+    assert "ranks [2, 3] differ in cpu_capability" in " ".join(outs["n1"][0].split())
 
 
 @pytest.mark.parametrize("iou_type", ["bbox", "segm"])

@@ -108,11 +108,13 @@ class Communicator:
         async_threshold_bytes: payloads above this size (bytes) go in asynchronous chunks; None = never.
         chunk_bytes: bytes per chunk in that mode (>= 1).
         max_in_flight: chunks outstanding at once (>= 1).
-        progress_bytes: payloads above this size (bytes) that are not chunked go in ``PROGRESS_PIECES``
-            asynchronous pieces, each reported to ``on_progress`` (None = one call).
         group: the process group its collectives run over (None = the default group, all ranks); under a
             device mesh, e.g. the data-parallel group (``disteval.comm.mesh``). ``rank``, ``world_size``,
             ``src`` and ``dst`` are then ranks *within* the group.
+
+    Set after construction: ``progress_bytes`` (payloads above it that are not chunked go in ``PROGRESS_PIECES``
+    asynchronous pieces, each reported to ``on_progress(op, bytes_done, bytes_total)``; None = one call),
+    ``timeout_s`` (bounds a pieced collective as a whole), ``on_complete``.
 
     Attributes: ``collectives`` (int, number issued), ``bytes`` (int, payload bytes this rank sent),
     ``by_op`` (Counter of op names), ``chunked`` (payloads sent in chunks), ``compression`` (per named
@@ -122,8 +124,7 @@ class Communicator:
     def __init__(self, device: torch.device | str = "cpu",
                  on_collective: Callable[[str, int, dict], None] | None = None,
                  async_threshold_bytes: int | None = 64 * 1024 * 1024, chunk_bytes: int = 16 * 1024 * 1024,
-                 max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
-                 progress_bytes: int | None = None):
+                 max_in_flight: int = 2, group: dist.ProcessGroup | None = None):
         if chunk_bytes < 1 or max_in_flight < 1:
             raise ValueError(f"chunk_bytes and max_in_flight must be >= 1, got {chunk_bytes}, {max_in_flight}")
         self.device = torch.device(device)
@@ -131,7 +132,7 @@ class Communicator:
         self.on_collective = on_collective
         self.async_threshold_bytes = async_threshold_bytes
         self.chunk_bytes, self.max_in_flight = int(chunk_bytes), int(max_in_flight)
-        self.progress_bytes = progress_bytes
+        self.progress_bytes: int | None = None  # payloads above it (bytes) that are not chunked go in pieces
         self.timeout_s: float | None = None  # the process group's timeout, when known: bounds a collective's pieces
         self.on_progress: Callable[[str, int, int], None] | None = None
         self.payload: dict | None = None  # what the collective under way carries: {name, dtype, compressible}
@@ -390,12 +391,8 @@ class Communicator:
         wire_rows = [cz.encoded_rows(p, r, row_numel) for r in rows]
         row_bytes = p.wire_dtype.itemsize * (1 if p.kind == "bits" else row_numel)
         wire = (early if early is not None else cz.encode(tensor, p)).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)
-        self.payload = {"name": name, "dtype": str(tensor.dtype).replace("torch.", ""), "compressible": compressible,
-                        "compression": compression, "wire": p.kind}
-        try:
-            parts = self._gather_sized(wire, wire_rows, dst)
-        finally:
-            self.payload = None
+        parts = self._gather_payload(wire, wire_rows, dst, dict(name=name, dtype=str(tensor.dtype).removeprefix(
+            "torch."), compressible=compressible, compression=compression, wire=p.kind))
         if name is not None and compression != "none":
             wire_row_numel = 1 if p.kind == "bits" else row_numel
             self.compression[name] = {
@@ -409,6 +406,14 @@ class Communicator:
         trailing = () if p.kind == "bits" else tuple(tensor.shape[1:])
         return [cz.decode(w.reshape(-1).view(p.wire_dtype).reshape(wr, *trailing), p, tensor.dtype,
                           (r, *tensor.shape[1:])) for w, r, wr in zip(parts, rows, wire_rows)]
+
+    def _gather_payload(self, wire: torch.Tensor, rows: list[int], dst: int | None, payload: dict):
+        """``_gather_sized`` with ``payload`` (what it carries) announced to ``on_collective`` meanwhile."""
+        self.payload = payload
+        try:
+            return self._gather_sized(wire, rows, dst)
+        finally:
+            self.payload = None
 
     def all_gather_sized(self, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Gather when every rank already knows the first-dimension size of every rank (``rows``, e.g. summed
