@@ -40,6 +40,7 @@ class RankContext:
     net: dict | None = None  # host, node, node_rank, interface, address, ifname source (results.json per_rank)
     board: StoreBoard | None = None  # status records through the rendezvous store (launched ranks)
     filesystem: str = "local"  # "shared": every rank sees every record in the run directory; else "node-local"
+    cpu_kernels: dict | None = None  # dist.heterogeneous=pin: every rank's native CPU kernel set and the pinned one
 
     def read_peer(self, rank: int) -> dict | None:
         """Rank ``rank``'s status record: its status.json on a shared run directory (or a single process), else

@@ -83,6 +83,18 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Heterogeneous(str, Enum):
+    """``dist.heterogeneous``: what a fleet whose ranks compute different bits does (README, Mixed hardware):
+    ``warn`` runs and records the canary's measured drift (results.json ``canary``, a warning); ``refuse`` stops
+    before the loop naming the ranks and nodes of each numeric class and the settings that differ; ``pin`` runs
+    every rank on the lowest common kernel set (CPU: ``ATEN_CPU_CAPABILITY``; CUDA: TF32 off, highest matmul
+    precision, deterministic algorithms, cuDNN benchmark off) and checks it with the canary."""
+
+    warn = "warn"
+    refuse = "refuse"
+    pin = "pin"
+
+
 class Mode(str, Enum):
     """``eval.mode``: ``bitwise`` (default) makes results.json's metrics bit-identical at every world size
     (batch-aligned shards, a fixed thread count, order-independent float sums); ``fast`` keeps sample-even
@@ -319,6 +331,11 @@ class DistConfig:
     threads: Optional[int] = None
     allocator: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # mixed hardware (README, Mixed hardware): every rank forwards the dataset's first canary_samples samples
+    # before the loop and the ranks compare a 16-byte digest of the outputs (0 = no canary; under eval.compile
+    # the probe is one whole batch, the loop's shape); heterogeneous: warn | refuse | pin
+    canary_samples: int = 32
+    heterogeneous: Heterogeneous = Heterogeneous.warn
     # across nodes (README, Running across nodes): run the same command on each of ``nnodes`` nodes; world_size
     # is the total (world_size / nnodes ranks per node); rdzv_endpoint HOST:PORT is where the nodes meet (c10d
     # rendezvous, hosted by the node that owns HOST); node_rank null = order chosen by the rendezvous, a value =
@@ -349,6 +366,7 @@ class DistConfig:
         if self.allocator not in ALLOCATORS:
             raise ConfigError("dist.allocator", f"{self.allocator!r} is not one of {list(ALLOCATORS)}")
         _at_least("dist.threads", self.threads, 1, nullable=True)
+        _at_least("dist.canary_samples", self.canary_samples, 0)
         if not 0 <= self.master_port <= 65535:
             raise ConfigError("dist.master_port", f"must be a TCP port in 1..65535, or 0 to pick a free port, got "
                               f"{self.master_port}")

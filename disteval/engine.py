@@ -30,7 +30,8 @@ from disteval.common.fingerprint import numeric_classes, rank_fingerprint
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError
-from disteval.faults import FaultPlan
+from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
+from disteval.faults import FaultPlan, apply_at_start
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
 from disteval.metrics import check_coverage, raise_if_incomplete
 from disteval.metrics.evaluator import Evaluator
@@ -102,6 +103,39 @@ class RankRun:
                           and self.mesh is None)
         self.outcomes: list[dict] = []
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
+        self.canary: dict | None = None
+
+    def check_canary(self) -> dict:
+        """The canary before the loop (``disteval.canary``): the dataset's first ``dist.canary_samples`` samples
+        (one whole batch under ``eval.compile``: the loop's shape) through the model on every rank, digests
+        compared in one all_gather, ``dist.heterogeneous`` applied. Returns the record for results.json
+        ``canary`` ({skipped: why} without a model, on streamed data, under a device mesh, or when off). Raises
+        NumericDriftError (refuse, or pin that cannot make the ranks agree)."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        samples = int(cfg.data.batch_size) if cfg.eval.get("compile") else int(cfg.dist.get("canary_samples", 32))
+        skip = ("dist.canary_samples=0" if samples == 0 else "no model (replayed predictions)" if self.model is None
+                else "streamed data (no sample every rank can read)" if isinstance(self.dataset, StreamSource)
+                else "a device mesh (its ranks compute one forward together)" if self.mesh else
+                "an empty dataset" if len(self.dataset) == 0 else None)
+        if skip:
+            self.canary = {"skipped": skip}
+            return self.canary
+        inputs, step = probe_inputs(self.dataset, self.task.collate_fn(), samples), self._step()
+        canary = Canary(lambda: step(self.model, inputs), min(samples, len(self.dataset)),
+                        ctx.comm if ctx.world_size > 1 else None,
+                        lambda: {"fingerprint": self.fingerprint, "host": ctx.status.record.get("host"),
+                                 "node": (ctx.net or {}).get("node")})
+        ctx.status.update(in_collective={"op": "canary", "since": time.time()}, force=True)
+        try:
+            self.canary = settle(canary, _policy(cfg), ctx.device)
+        finally:
+            ctx.status.update(in_collective=None)
+            self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
+        if ctx.cpu_kernels:
+            self.canary["cpu_kernels"] = ctx.cpu_kernels
+        if not self.canary.get("homogeneous", True):
+            _say(ctx, f"warning: {describe(self.canary)} (dist.heterogeneous={self.canary['policy']})")
+        return self.canary
 
     def evaluator(self) -> Evaluator:
         """A fresh evaluator of the task's metric (one per trial), its states on the model's device when the
@@ -304,6 +338,7 @@ class RankRun:
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
             "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
                                                 if r.get("fingerprint")}),
+            "canary": self.canary,
             "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
@@ -336,11 +371,16 @@ class RankRun:
         if malloc and malloc.get("warning"):
             out.append(malloc["warning"])
         classes = numeric_classes({int(r["rank"]): r["fingerprint"] for r in rows if r.get("fingerprint")})
-        if len(classes) > 1:
+        canary = self.canary or {}
+        if canary.get("homogeneous") is False:
+            out.append(f"the metrics depend on the placement of samples: {describe(canary)} (results.json canary; "
+                       "dist.heterogeneous=pin runs every rank on the common kernels)")
+        elif len(classes) > 1:
             out.append(f"the ranks ran different kernels ({len(classes)} numeric classes: " + "; ".join(
                 f"ranks {c['ranks']}" + (f" differ in {', '.join(c['differs'])}" if c.get("differs") else "")
                 for c in classes) + "): float metrics may depend on which samples each rank evaluated "
-                "(results.json numeric_classes)")
+                "(results.json numeric_classes)" + ("; the canary's probe batch gave the same bits on every rank"
+                                                    if canary.get("homogeneous") else ""))
         idle = [int(r["rank"]) for r in rows if int(r["samples"]) == 0]
         if idle:
             out.append(f"rank(s) {idle} of {self.ctx.world_size} had nothing to evaluate (N={len(self.dataset)} "
@@ -361,6 +401,12 @@ def _share(ctx: RankContext):
             ctx.status.update(in_collective=None)
 
     return share
+
+
+def _policy(cfg: Any) -> str:
+    """``dist.heterogeneous`` as a string (warn | refuse | pin)."""
+    value = cfg.dist.get("heterogeneous", "warn")
+    return str(getattr(value, "value", value))
 
 
 def _say(ctx: RankContext, message: str) -> None:
@@ -392,6 +438,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     process (world size 1) without a launcher. ``agree_run_dir``: take rank 0's run directory (broadcast),
     for external launchers. Every exception is recorded in this rank's status.json (type, message,
     traceback) before it propagates."""
+    apply_at_start(env.rank if env is not None else 0)  # a drill's kernel set: before this process's first kernel
     ctx = open_records(cfg, run_dir, env)
     timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s, cfg.eval.status_interval_s))
     parent = parent_to_watch(env is not None)
@@ -403,8 +450,11 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     try:
         t_total = time.perf_counter()
         connect(ctx, agree_run_dir)
+        if _policy(cfg) == "pin" and ctx.board is not None:
+            ctx.cpu_kernels = pin_cpu_kernels(ctx.board.agree)  # before the first kernel
         apply_compute_settings(ctx)
         run = RankRun(ctx)
+        run.check_canary()
         for trial in range(int(cfg.eval.trials)):
             if cfg.eval.trials > 1:
                 log.info("trial %d of %d", trial + 1, cfg.eval.trials)

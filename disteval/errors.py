@@ -100,3 +100,13 @@ class CollectiveTimeout(DistevalError, TimeoutError):
         need = f"; at that rate all of it needs {nbytes / rate:.1f} s" if rate > 0 else ""
         super().__init__(f"{op} timed out after {seconds:.1f} s (timeout {timeout_s:g} s) with {done:,} of "
                          f"{nbytes:,} bytes moved ({rate / 1e6:.3f} MB/s){need}")
+
+
+class NumericDriftError(DistevalError):
+    """The canary (``disteval.canary``) found ranks computing different bits on the same probe batch and
+    ``dist.heterogeneous`` is ``refuse``, or ``pin`` could not make them agree. ``record`` is the canary's record
+    (numeric classes: ranks, nodes, differing settings, measured drift)."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        self.record = record or {}
+        super().__init__(message)

@@ -16,6 +16,9 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
     DISTEVAL_FAULTS="error@1:batch=3"              rank 1 raises RuntimeError after its 3rd batch
     DISTEVAL_FAULTS="diskfull@0:batch=2"           after its 2nd batch every record write of rank 0 fails with
                                                    ENOSPC, as on a full disk (until the run's reserve is freed)
+    DISTEVAL_FAULTS="cpu@1:capability=default"    rank 1 computes with torch's DEFAULT CPU kernels
+                                                   (ATEN_CPU_CAPABILITY, set before its first kernel): a node of
+                                                   other hardware in the fleet (avx2, avx512, default)
     DISTEVAL_FAULTS="preempt@*:batch=3"            after its 3rd batch every rank receives the checkpoint signal
                                                    (SUBMITIT_PREEMPT_SIGNAL, USR2 by default) as SLURM sends it
                                                    before a preemption: inside a SLURM job the rank's
@@ -39,11 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from disteval.common.drills import simulate_full_disk
+from disteval.common.kernels import pin_capability
 from disteval.resume import checkpoint_signal
 
 ENV = "DISTEVAL_FAULTS"
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
-         "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"}}
+         "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"},
+         "cpu": {"capability"}}
+_STRINGS = {"capability": ("default", "avx2", "avx512")}  # parameters that are names, not numbers
 _BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull", "preempt")
 
 
@@ -70,7 +76,8 @@ def parse(text: str | None) -> list[Fault]:
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}; kinds: {sorted(KINDS)}")
         try:
             chosen = None if ranks in ("", "*") else frozenset(int(r) for r in ranks.split(","))
-            params = {k.strip(): float(v) for k, v in (a.split("=", 1) for a in args.split(",") if a.strip())}
+            params = {k.strip(): v.strip() if k.strip() in _STRINGS else float(v)
+                      for k, v in (a.split("=", 1) for a in args.split(",") if a.strip())}
         except ValueError:
             raise ValueError(f"{ENV}: cannot parse {item!r}; expected KIND@RANKS:key=value,...") from None
         unknown = set(params) - KINDS[kind]
@@ -78,6 +85,9 @@ def parse(text: str | None) -> list[Fault]:
             raise ValueError(f"{ENV}: {kind} takes {sorted(KINDS[kind])}, not {sorted(unknown)} ({item!r})")
         if chosen is not None and any(r < 0 for r in chosen):
             raise ValueError(f"{ENV}: ranks must be >= 0 in {item!r}")
+        for key, allowed in _STRINGS.items():
+            if key in params and params[key] not in allowed:
+                raise ValueError(f"{ENV}: {key} must be one of {list(allowed)} in {item!r}")
         batch = params.get("batch", 1.0)
         if batch != int(batch) or batch < 1:
             raise ValueError(f"{ENV}: batch must be a whole number >= 1 (the batch after which it fires) in {item!r}")
@@ -96,6 +106,16 @@ def check_ranks(faults: list[Fault], world_size: int) -> None:
         if missing:
             raise ValueError(f"{ENV}: {f.kind} aims at rank(s) {missing} but dist.world_size={world_size}; it would "
                              "never fire")
+
+
+def apply_at_start(rank: int) -> str | None:
+    """The ``cpu`` drill of ``rank``: set ``ATEN_CPU_CAPABILITY`` in this process before its first kernel
+    (``disteval.common.kernels.pin_capability``; call it first thing in the rank). Returns the kernel set it
+    forced, None without such a drill. Raises DistevalError when a kernel already ran."""
+    from_env = [f for f in parse(os.environ.get(ENV)) if f.kind == "cpu" and f.hits(rank)]
+    if not from_env:
+        return None
+    return pin_capability(str(from_env[-1].params["capability"]))
 
 
 class FaultPlan:

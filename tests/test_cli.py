@@ -80,8 +80,10 @@ def test_default_job_two_ranks_equals_reference(cli):
     assert set(res["timings"]) == {"load", "forward", "sync", "after_loop", "total", "evaluation_s", "process_wall_s"}
     t = res["timings"]  # the whole run (imports and rank start-up included) and the evaluation, both wall s
     assert t["evaluation_s"] == t["total"] and 0 < t["evaluation_s"] <= t["process_wall_s"]
-    # bitwise mode: int64 sums in one all_reduce, float sums as tree nodes inside the one all_gather
-    assert res["comm"]["collectives"] == 2 and res["comm"]["by_op"] == {"all_reduce": 1, "all_gather": 1}
+    # bitwise mode: int64 sums in one all_reduce, float sums as tree nodes inside the one all_gather; before the
+    # loop, the canary's 24-byte all_gather (its probe gave the same bits on both ranks: no second exchange)
+    assert res["comm"]["collectives"] == 3 and res["comm"]["by_op"] == {"all_reduce": 1, "all_gather": 2}
+    assert res["canary"]["homogeneous"] and res["canary"]["classes"][0]["ranks"] == [0, 1]
     for r in range(2):
         status = json.loads((run_dir / "ranks" / f"rank{r}" / "status.json").read_text())
         assert status["phase"] == "done" and status["samples_done"] == [320, 220][r] and status["error"] is None

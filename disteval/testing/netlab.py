@@ -382,8 +382,10 @@ class NetLab:
             send_signal(pid, signal.SIGCONT)
 
     def kill(self, name: str) -> list[int]:
-        """SIGKILL every process in node ``name`` (its holder stays); returns their pids."""
-        pids = self.pids(name)
+        """SIGKILL every process in node ``name`` (its holder stays) at one instant, as a node that loses power;
+        returns their pids. Every process is stopped first: killed one by one, a rank would outlive its launcher
+        by a few microseconds, get the launcher's death signal and record an error a dead node never writes."""
+        pids = self.freeze(name)
         for pid in pids:
             send_signal(pid, signal.SIGKILL)
         return pids
