@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from disteval.common.drills import simulate_full_disk
-from disteval.common.kernels import pin_capability
+from disteval.common.kernels import ENV as CAPABILITY_ENV
 from disteval.resume import checkpoint_signal
 
 ENV = "DISTEVAL_FAULTS"
@@ -109,13 +109,15 @@ def check_ranks(faults: list[Fault], world_size: int) -> None:
 
 
 def apply_at_start(rank: int) -> str | None:
-    """The ``cpu`` drill of ``rank``: set ``ATEN_CPU_CAPABILITY`` in this process before its first kernel
-    (``disteval.common.kernels.pin_capability``; call it first thing in the rank). Returns the kernel set it
-    forced, None without such a drill. Raises DistevalError when a kernel already ran."""
+    """The ``cpu`` drill of ``rank``: set ``ATEN_CPU_CAPABILITY`` in this process's environment before its first
+    kernel, as the rank's node would have it (call it first thing in the rank; torch reads the variable at the
+    first kernel, and the fingerprint records the kernel set really used). Returns the value set, None without
+    such a drill."""
     from_env = [f for f in parse(os.environ.get(ENV)) if f.kind == "cpu" and f.hits(rank)]
     if not from_env:
         return None
-    return pin_capability(str(from_env[-1].params["capability"]))
+    os.environ[CAPABILITY_ENV] = str(from_env[-1].params["capability"])
+    return os.environ[CAPABILITY_ENV]
 
 
 class FaultPlan:
