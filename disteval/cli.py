@@ -134,13 +134,19 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
     from disteval.engine import run_rank  # noqa: F401 - imported before the launch step (start-up timing)
-    from disteval.preflight import preflight
+    from disteval.faults import apply_at_start
+    from disteval.preflight import preflight, preflight_without_kernels
 
     try:
+        if external:  # a drill's kernel set (DISTEVAL_FAULTS cpu@R): before this rank's first kernel, the preflight's
+            apply_at_start(RankEnv.from_env().rank)
         container = job_container(cfg)
         job = OmegaConf.create(container)
         notes: list[str] = []
-        preflight(job, notes)
+        if external and str(getattr(job.dist.get("heterogeneous"), "value", job.dist.get("heterogeneous"))) == "pin":
+            preflight_without_kernels(job, notes)  # the rank's CPU kernel set stays free until it is pinned
+        else:
+            preflight(job, notes)
         # the ranks' malloc (dist.allocator): resolved here, so that a missing library fails before any rank starts;
         # under an external launcher the ranks already exist and run with what they were started with
         choice = None if external else allocator.resolve(str(cfg.dist.allocator))

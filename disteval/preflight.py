@@ -117,3 +117,46 @@ def check_parallel(cfg: Any, notes: list[str]) -> None:
     if cfg.model.get("name") is not None and weights_plan(cfg.model)[0] == "random":
         notes.append(f"model.name={cfg.model.name} runs with random initialisation (seed {cfg.get('seed', 0)}; no "
                      "model.weights or model.checkpoint): the metrics measure the pipeline, not a trained model")
+
+
+def preflight_without_kernels(cfg: Any, notes: list[str]) -> None:
+    """``preflight`` in a forked child, for a rank of an external launcher (torchrun, SLURM) with
+    ``dist.heterogeneous=pin``: the checks build metrics and models, i.e. run torch kernels, and the first kernel
+    fixes the process's CPU kernel set (``disteval.common.kernels``), which the rank must still be free to pin
+    after meeting its peers. The child reports the notes, or its error's type, key and message, as JSON through
+    a pipe; the same error is raised here. Call it before this process starts threads."""
+    import json
+
+    from disteval.errors import CheckpointError, DataError, DistevalError
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            child_notes: list[str] = []
+            preflight(cfg, child_notes)
+            out = {"notes": child_notes}
+        except DistevalError as exc:
+            out = {"type": type(exc).__name__, "key": getattr(exc, "key", None),
+                   "message": str(exc).removeprefix(f"{getattr(exc, 'key', '')}: ")}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it as a DistevalError
+            out = {"type": "DistevalError", "message": f"preflight failed: {type(exc).__name__}: {exc}"}
+        try:
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks).decode() or '{"type": "DistevalError", "message": "preflight died"}')
+    if "notes" in out:
+        notes.extend(out["notes"])
+        return
+    if out["type"] == "ConfigError":
+        raise ConfigError(out["key"], out["message"])
+    raise {"CheckpointError": CheckpointError, "DataError": DataError,
+           "RendezvousError": DistevalError}.get(out["type"], DistevalError)(out["message"])

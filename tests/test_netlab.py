@@ -137,31 +137,61 @@ def test_digits_bit_identical_across_node_layouts(lab, reference, layout):
     assert [c["ranks"] for c in res["numeric_classes"]] == [[0, 1, 2, 3]] and not res["warnings"]
 
 
-def test_nodes_with_different_kernels_form_numeric_classes(lab):
-    """n2 runs with ATEN_CPU_CAPABILITY=default (torch's unvectorised kernels), n1 with what its CPU offers:
-    results.json per_rank records each rank's fingerprint, numeric_classes groups ranks 0-1 and 2-3 and says the
-    classes differ in cpu_capability, and the run's warnings say the ranks ran different kernels."""
+@pytest.mark.skipif(not any(Path("/usr/share/datasets/fashion-mnist").glob("t10k-*")),
+                    reason="Fashion-MNIST not found (apt-get install dataset-fashion-mnist)")
+def test_nodes_with_different_kernels_warn_refuse_pin(lab, tmp_path):
+    """n2 runs with ATEN_CPU_CAPABILITY=default (torch's unvectorised kernels), n1 with what its CPU offers, on
+    Fashion-MNIST at W=4 (2 x 2). Through disteval's multi-node launcher, warn: per_rank fingerprints,
+    numeric_classes [[0, 1], [2, 3]] differing in cpu_capability, the canary's classes by node (n1, n2) with their
+    drift and a warning; refuse: both nodes exit 1 before the loop with an error naming n2 and the setting.
+    Through torchrun, pin: every rank on DEFAULT, the canary agrees, metrics == one process on DEFAULT."""
     import torch
 
     here = torch.backends.cpu.get_cpu_capability()
     if here == "DEFAULT":
         pytest.skip("this CPU offers no vectorised kernel set beyond DEFAULT")
-    run_dir = lab.shared / "hetero"
-    endpoint = f"198.18.0.1:{next(_ports)}"
-    cmd = _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint={endpoint}", f"hydra.run.dir={run_dir}",
-                    "communication.timeout_s=60")
+    job = ("+experiment=fashion_mnist", "communication.timeout_s=60")
     envs = {"n1": dict(os.environ), "n2": dict(os.environ, ATEN_CPU_CAPABILITY="default")}
-    procs = {n: lab.popen(n, cmd, cwd=REPO, env=envs[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in envs}
-    outs = {n: p.communicate(timeout=240) for n, p in procs.items()}
-    assert all(p.returncode == 0 for p in procs.values()), outs["n1"][1][-3000:] + outs["n2"][1][-3000:]
-    res = load_results(run_dir)
+
+    def both(cmds: dict) -> dict:
+        procs = {n: lab.popen(n, cmd, cwd=REPO, env=envs[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for n, cmd in cmds.items()}
+        return {n: p.communicate(timeout=240) + (p.returncode,) for n, p in procs.items()}
+
+    def launcher(name: str, *extra: str) -> dict:
+        cmd = _disteval("dist.world_size=4", "dist.nnodes=2", f"dist.rdzv_endpoint=198.18.0.1:{next(_ports)}",
+                        f"hydra.run.dir={lab.shared / name}", *job, *extra)
+        return both({"n1": cmd, "n2": cmd})
+
+    outs = launcher("hetero")
+    assert all(o[2] == 0 for o in outs.values()), outs["n1"][1][-3000:] + outs["n2"][1][-3000:]
+    res = load_results(lab.shared / "hetero")
     caps = {p["rank"]: p["fingerprint"]["cpu_capability"] for p in res["per_rank"]}
     assert caps == {0: here, 1: here, 2: "DEFAULT", 3: "DEFAULT"}, caps
     classes = res["numeric_classes"]
     assert [c["ranks"] for c in classes] == [[0, 1], [2, 3]] and classes[1]["differs"] == ["cpu_capability"]
-    assert any("the ranks ran different kernels (2 numeric classes" in w for w in res["warnings"]), res["warnings"]
-    assert "ranks [2, 3] differ in cpu_capability" in " ".join(outs["n1"][0].split())
+    canary = res["canary"]
+    assert [(c["ranks"], c["hosts"]) for c in canary["classes"]] == [([0, 1], ["n1"]), ([2, 3], ["n2"])]
+    assert canary["classes"][1]["differs"] == {"cpu_capability": [here, "DEFAULT"]}
+    assert canary["classes"][1]["drift"]["max_abs_diff"] > 0
+    assert any("the metrics depend on the placement of samples" in w for w in res["warnings"]), res["warnings"]
+    assert "ranks [2, 3] on n2 (cpu_capability" in " ".join(outs["n1"][0].split() + outs["n1"][1].split())
+
+    outs = launcher("hetero_refuse", "dist.heterogeneous=refuse")
+    assert [o[2] for o in outs.values()] == [1, 1] and not (lab.shared / "hetero_refuse" / "results.json").exists()
+    assert "NumericDriftError" in outs["n1"][1] and "ranks [2, 3] on n2" in " ".join(outs["n1"][1].split())
+
+    pinned_dir = lab.shared / "hetero_pin"
+    cmd = _torchrun(2, 2, f"198.18.0.1:{next(_ports)}", f"hydra.run.dir={pinned_dir}", "dist.heterogeneous=pin", *job)
+    outs = both({"n1": cmd, "n2": cmd})
+    assert all(o[2] == 0 for o in outs.values()), outs["n1"][1][-3000:] + outs["n2"][1][-3000:]
+    pinned = load_results(pinned_dir)
+    assert pinned["canary"]["homogeneous"] and pinned["canary"]["cpu_kernels"]["pinned"] == "DEFAULT"
+    assert {p["fingerprint"]["cpu_capability"] for p in pinned["per_rank"]} == {"DEFAULT"}
+    ref = run_disteval("+experiment=fashion_mnist", "dist.world_size=1", run_dir=tmp_path / "ref",
+                       env={"ATEN_CPU_CAPABILITY": "default"})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert pinned["metrics"] == load_results(tmp_path / "ref")["metrics"]
 
 
 @pytest.mark.parametrize("iou_type", ["bbox", "segm"])

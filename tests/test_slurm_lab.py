@@ -221,6 +221,43 @@ def test_slow_link_through_slurm_and_doctor_apply(slab, shared_dir):
 
 
 
+@pytest.mark.skipif(not any(FASHION.glob("t10k-*")), reason=f"Fashion-MNIST not found at {FASHION} "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_nodes_with_different_kernels_through_slurm(slab, shared_dir):
+    """A SLURM job of 2 nodes x 2 ranks on Fashion-MNIST whose ranks on n2 (2, 3) compute with torch's DEFAULT CPU
+    kernels (the cpu drill, exported to the job), n1's with the CPU's best. refuse: the job fails before the
+    loop, naming ranks [2, 3] on n2 and cpu_capability; pin: every rank pinned to DEFAULT after meeting its
+    peers (the rank's preflight ran without kernels), the canary agrees, metrics == one process on DEFAULT."""
+    import torch
+
+    here = torch.backends.cpu.get_cpu_capability()
+    if here == "DEFAULT":
+        pytest.skip("this CPU offers no vectorised kernel set beyond DEFAULT")
+    lab, cluster = slab
+    env = cluster.env({**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160",
+                       "DISTEVAL_FAULTS": "cpu@2,3:capability=default"})
+    job = [sys.executable, "-m", "disteval", *SUBMITIT, "dist.world_size=4", "dist.ranks_per_node=2",
+           "+experiment=fashion_mnist"]
+    refused = lab.run(cluster.controller, [*job, "dist.heterogeneous=refuse", f"hydra.run.dir={shared_dir / 'refuse'}"],
+                      cwd=shared_dir, env=env, timeout=300)
+    assert refused.returncode == 1 and not (shared_dir / "refuse" / "results.json").exists()
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert "NumericDriftError" in said and "ranks [2, 3] on n2 (cpu_capability" in said, said[-3000:]
+    pinned = lab.run(cluster.controller, [*job, "dist.heterogeneous=pin", f"hydra.run.dir={shared_dir / 'pin'}"],
+                     cwd=shared_dir, env=env, timeout=300)
+    assert pinned.returncode == 0, (pinned.stdout + pinned.stderr)[-4000:]
+    res = load_results(shared_dir / "pin")
+    assert [p["host"] for p in sorted(res["per_rank"], key=lambda p: p["rank"])] == ["n1", "n1", "n2", "n2"]
+    assert res["canary"]["homogeneous"] and res["canary"]["cpu_kernels"] == {
+        "capabilities": [here, here, "DEFAULT", "DEFAULT"], "pinned": "DEFAULT"}
+    ref = subprocess.run([sys.executable, "-m", "disteval", "+experiment=fashion_mnist", "dist.world_size=1",
+                          f"hydra.run.dir={shared_dir / 'ref'}"], cwd=shared_dir, capture_output=True, text=True,
+                         env={**{k: v for k, v in os.environ.items() if k != "DISTEVAL_FAULTS"},
+                              "ATEN_CPU_CAPABILITY": "default"}, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert res["metrics"] == load_results(shared_dir / "ref")["metrics"]
+
+
 def test_partition_during_the_sync_through_slurm(slab, shared_dir):
     """A SLURM job of 2 nodes x 2 ranks; rank 0 is held at the synchronisation (a delay drill) while rank 2 (n2)
     waits in its all_reduce; then n1 and n2 are cut apart silently (blackhole), both still in touch with the
