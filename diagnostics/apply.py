@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from diagnostics.evidence import load_run
+from diagnostics.hardware import canary_effect
 from diagnostics.machine import Diagnosis, diagnose
 from omegaconf import OmegaConf
 
@@ -103,7 +104,8 @@ def measured_effect(before, after) -> dict:
     failed_after = before.cfg("communication.sync_timeout_s", None) or before.cfg("communication.timeout_s", None)
     out: dict = {"sync_s": sync, "failed_run_timeout_s": failed_after, "compression": {}}
     parts = []
-    if sync is not None:
+    pinned = canary_effect(before, after)
+    if sync is not None and not pinned:
         parts.append(f"the final synchronisation took {sync:.2f} s" +
                      (f" (the failed run gave up after {float(failed_after):g} s)" if failed_after else ""))
     for name, c in sorted(((res.get("comm") or {}).get("compression") or {}).items()):
@@ -111,6 +113,11 @@ def measured_effect(before, after) -> dict:
             out["compression"][name] = {k: c.get(k) for k in ("mode", "bytes_before", "bytes_after", "max_abs_error")}
             parts.append(f"{name} went as {c.get('mode')} in {c['bytes_after']:,} instead of {c['bytes_before']:,} "
                          f"bytes (max abs error {float(c.get('max_abs_error') or 0):.3g})")
+    if pinned:
+        out["canary"] = pinned
+        parts.append(f"the canary found {len(pinned['classes_before'])} numeric classes before and "
+                     f"{len(pinned['classes_after'])} after" + (f" (every rank pinned to {pinned['pinned']} kernels)"
+                                                                  if pinned.get("pinned") else ""))
     out["said"] = "; ".join(parts)
     return out
 

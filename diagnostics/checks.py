@@ -29,6 +29,7 @@ from diagnostics.findings import STATUSES, Finding, culprit as _culprit, error_e
 from diagnostics.findings import status_ev as _status_ev, what_was_found
 from diagnostics.init_checks import (STALL as _STALL, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
+from diagnostics.hardware import convergence_hardware
 from diagnostics.links import comm_links, peer_gone, slow_link
 from diagnostics.liveness import examine
 from diagnostics.mesh_checks import comm_mesh_hang, comm_tp_peers, mesh_of, shards_mesh
@@ -566,7 +567,7 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
     "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
     "SHARDS": [shards_plan, shards_mesh, shards_coverage],
-    "CONVERGENCE": [convergence_trials, convergence_flags, convergence_reference],
+    "CONVERGENCE": [convergence_trials, convergence_flags, convergence_hardware, convergence_reference],
     "COMM": [comm_timeout, comm_tp_peers, comm_mesh_hang, comm_heartbeats, comm_mismatch, comm_stragglers,
              comm_links],
     "RESULT": [result_outliers, result_sanity],

@@ -22,7 +22,12 @@ JSON (``--json``)::
                  "note": str},
      "reduction": null | {"only_reduction": true, "partials": "equal" | "differ" | "unavailable",
                           "first_batch": int | null, "why": str},
-     "settings_differ": [{"setting", "a", "b", "note"}]}
+     "settings_differ": [{"setting", "a", "b", "note"}],
+     "fingerprint_differs": [{"field", "a", "b"}], "first_suspect": null | str}
+
+``fingerprint_differs``: the ranks' numeric fingerprints (kernel set, GPU, TF32, versions ...) and the canary's
+probe digest, compared between the runs (``diagnostics.hardware``); when the metrics differ and the forward is
+not known to be identical, such a difference is named first (``first_suspect``): other kernels compute other bits.
 
 On an error (exit code 2): ``{"exit_code": 2, "error": str}``. Exit codes: 0 the metrics are identical,
 1 they differ, 2 the runs cannot be compared (a directory or results.json missing or unreadable).
@@ -38,6 +43,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from diagnostics.hardware import fingerprint_differences
 
 SHOW_IDS = 8  # sample ids named in the report
 SETTINGS = ("mode", "compute.threads", "compute.deterministic", "device", "precision.model_dtype", "precision.tf32",
@@ -312,10 +319,17 @@ def compare_runs(path_a: str | Path, path_b: str | Path) -> dict:
     diffs, compared = diff_metrics(a.results["metrics"], b.results["metrics"])
     forward = compare_forward(a, b)
     reduction = compare_reduction(a, b) if diffs and forward["identical"] else None
+    prints = fingerprint_differences(a.results, b.results)
+    suspect = None
+    if diffs and prints and forward["identical"] is not True:
+        suspect = "the ranks computed with other kernels: " + "; ".join(
+            f"{d['field']} A={d['a']} B={d['b']}" if d["field"] != "canary" else
+            "the canary's probe outputs differ (the same samples through the same model gave other bits)" for d in prints)
     return {"run_a": str(a.path), "run_b": str(b.path), "exit_code": 1 if diffs else 0, "identical": not diffs,
             "first_metric": diffs[0] if diffs else None, "metrics_differing": len(diffs),
             "metrics_compared": compared, "differing_keys": [d["key"] for d in diffs[:50]], "forward": forward,
-            "reduction": reduction, "settings_differ": compare_settings(a, b)}
+            "reduction": reduction, "settings_differ": compare_settings(a, b), "fingerprint_differs": prints,
+            "first_suspect": suspect}
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -333,6 +347,8 @@ def summary(result: dict) -> str:
         text = (f"{result['metrics_differing']} of {result['metrics_compared']} metric values differ, first "
                 + _metric_text(result["first_metric"]))
     fwd, red = result["forward"], result["reduction"]
+    if result.get("first_suspect"):
+        text += f"; first suspect: {result['first_suspect']}"
     text += f"; forward: {fwd['note']}"
     if red:
         text += f"; only the reduction differs: {red['why']}"
@@ -356,6 +372,8 @@ def print_comparison(result: dict, console: Console) -> None:
     else:
         p(f"[red]metrics:[/] {result['metrics_differing']} of {result['metrics_compared']} values differ; first "
           f"{escape(_metric_text(result['first_metric']))}")
+    if result.get("first_suspect"):
+        p(f"[red]first suspect:[/] {escape(result['first_suspect'])}")
     fwd = result["forward"]
     color = {True: "green", False: "red", None: "yellow"}[fwd["identical"]]
     ids = f" (sample ids {fwd['sample_ids']}{'...' if fwd['count'] > len(fwd['sample_ids']) else ''})" \

@@ -555,6 +555,9 @@ def _own_error(run: Run, r: int) -> Finding:
     ev = error_ev(run, r) + ([phase_ev] if phase_ev is not None else [])
     if err.get("type") == "CoverageError":
         return Finding("INIT", "ranks_ran", "pass", f"rank {r}'s coverage error is a shard problem (see SHARDS)")
+    if err.get("type") == "NumericDriftError":
+        return Finding("INIT", "ranks_ran", "pass", f"rank {r} stopped before the loop because the ranks compute "
+                       "different bits (see CONVERGENCE/hardware)")
     if disk_full(err):
         return disk_full_finding(run, err, f"ranks/rank{r}/status.json", r, phase)
     if phase == "rendezvous":

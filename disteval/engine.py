@@ -29,7 +29,7 @@ from disteval.common import allocator, startup
 from disteval.common.fingerprint import numeric_classes, rank_fingerprint
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
-from disteval.errors import ConfigError, CoverageError
+from disteval.errors import ConfigError, CoverageError, NumericDriftError
 from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
 from disteval.faults import FaultPlan, apply_at_start
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
@@ -128,6 +128,9 @@ class RankRun:
         ctx.status.update(in_collective={"op": "canary", "since": time.time()}, force=True)
         try:
             self.canary = settle(canary, _policy(cfg), ctx.device)
+        except NumericDriftError as exc:  # the doctor reads the classes from the record of the run that stopped
+            ctx.status.update(canary=dict(exc.record, policy=_policy(cfg)), force=True)
+            raise
         finally:
             ctx.status.update(in_collective=None)
             self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))

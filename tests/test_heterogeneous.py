@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,6 +101,34 @@ def test_two_ranks_on_different_kernels_warn_refuse_pin(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert pinned["metrics"] == load_results(tmp_path / "ref" / "run")["metrics"]
     assert not pinned["warnings"]
+
+    # the doctor: CONVERGENCE/hardware names the classes and the setting, remedy pin; --apply on the refused run
+    # reruns with it (the drill still in the environment: the hardware is still mixed) and measures the effect
+    drill_env = {**os.environ, "DISTEVAL_FAULTS": "cpu@1:capability=default"}
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(tmp_path / "warn" / "run")],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    report = json.loads(doctor.stdout)["runs"][0]
+    verdict = report["verdict"]
+    assert (verdict["state"], verdict["check"], verdict["status"]) == ("CONVERGENCE", "hardware", "fail"), verdict
+    assert "cpu_capability" in verdict["finding"] and verdict["culprit_rank"] == 1, verdict
+    assert report["remedy"]["overrides"] == ["dist.heterogeneous=pin"] and doctor.returncode == 1
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--apply", "--json",
+                             str(tmp_path / "refuse" / "run")], capture_output=True, text=True, timeout=300,
+                            cwd=REPO, env=drill_env)
+    report = json.loads(doctor.stdout)["runs"][0]
+    assert (report["verdict"]["state"], report["verdict"]["check"]) == ("CONVERGENCE", "hardware"), report["verdict"]
+    attempt = report["attempts"][0]
+    assert attempt["fixed"] and attempt["exit_code"] == 0 and "dist.heterogeneous=pin" in attempt["overrides"]
+    assert attempt["effect"]["canary"] == {"classes_before": [[0], [1]], "classes_after": [[0, 1]],
+                                           "homogeneous_after": True, "pinned": "DEFAULT", "pinned_cuda": None}
+    retried = load_results(Path(attempt["run_dir"]))
+    assert retried["metrics"] == pinned["metrics"]
+    # compare names the kernel difference first when the forward differs
+    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", "--json", str(tmp_path / "warn" / "run"),
+                          str(tmp_path / "pin" / "run")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = json.loads(cmp.stdout)
+    assert cmp.returncode == 1 and result["first_suspect"].startswith("the ranks computed with other kernels")
+    assert {"field": "cpu_capability", "a": [HERE, "DEFAULT"], "b": ["DEFAULT"]} in result["fingerprint_differs"]
 
 
 @needs_fashion
