@@ -43,11 +43,11 @@ def convergence_hardware(run: Run, probes: dict | None) -> Finding:
         refused = rec.get("policy") in ("refuse", "pin") and not run.results
         what = ("dist.heterogeneous=" + rec.get("policy", "") + " stopped the run before the loop" if refused else
                 "the metrics depend on which samples landed on which class")
-        differs = any(c.get("differs") for c in others)
-        remedy = PIN if differs else Remedy([], "the ranks' fingerprints agree: the weights or the model differ "
-                                            "between ranks (a checkpoint, a nondeterministic layer); fix that",
-                                            changes_cause=False)
-        return Finding("CONVERGENCE", "hardware", "fail", f"hardware drift: {describe(rec)}; {what}", ev, remedy,
+        if not any(c.get("differs") for c in others):  # same kernels, other bits: not the hardware
+            return Finding("CONVERGENCE", "hardware", "warn", f"{describe(rec)}; the ranks ran the same kernels, so "
+                           "the weights or the model differ between ranks (a stale checkpoint, a nondeterministic "
+                           "layer): see RESULT/outliers", ev, culprit=culprit)
+        return Finding("CONVERGENCE", "hardware", "fail", f"hardware drift: {describe(rec)}; {what}", ev, PIN,
                        culprit=culprit, phase="forward")
     if len(classes) > 1:
         differs = sorted({k for c in classes[1:] for k in c.get("differs") or []})

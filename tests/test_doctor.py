@@ -281,6 +281,9 @@ def test_rank_with_different_weights_is_an_outlier(tmp_path):
     code, report = doctor(run)
     state_, culprit, overrides, _ = verdict(report)
     assert (code, state_, culprit, overrides) == (1, "RESULT/outliers", 1, ["eval.exclude_outlier_ranks=true"])
+    # the canary saw rank 1's other bits on the same kernels: not the hardware, a warning that points here
+    hw = next(c for c in report["runs"][0]["checks"] if (c["state"], c["check"]) == ("CONVERGENCE", "hardware"))
+    assert hw["status"] == "warn" and hw["culprit_rank"] == 1 and "same kernels" in hw["finding"], hw
     # opt-in exclusion: the metric leaves out exactly rank 1's shard and says so
     run2 = tmp_path / "excluded"
     assert launch_external(run2, 3, [*QUICK, "model.checkpoint=weights.pt", "eval.exclude_outlier_ranks=true"],
