@@ -72,9 +72,9 @@ class RankRun:
                                        compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
         self.faults = FaultPlan(ctx.rank)
         self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
-        self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         if self.faults and self.model is not None:
             self.faults.on_model(self.model)
+        self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         self.seconds_load = time.perf_counter() - t_load
         _say(ctx, f"data and model loaded in {self.seconds_load:.1f} s; evaluating {len(self.dataset)} samples")
         self.bitwise = ctx.compute["mode"] == "bitwise"

@@ -19,6 +19,9 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
     DISTEVAL_FAULTS="cpu@1:capability=default"    rank 1 computes with torch's DEFAULT CPU kernels
                                                    (ATEN_CPU_CAPABILITY, set before its first kernel): a node of
                                                    other hardware in the fleet (avx2, avx512, default)
+    DISTEVAL_FAULTS="tf32@1"                       rank 1 computes float32 matmuls and convolutions in TF32 on
+                                                   CUDA (set after the compute settings): a GPU of another
+                                                   generation, or a node configured otherwise
     DISTEVAL_FAULTS="preempt@*:batch=3"            after its 3rd batch every rank receives the checkpoint signal
                                                    (SUBMITIT_PREEMPT_SIGNAL, USR2 by default) as SLURM sends it
                                                    before a preemption: inside a SLURM job the rank's
@@ -48,7 +51,7 @@ from disteval.resume import checkpoint_signal
 ENV = "DISTEVAL_FAULTS"
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
          "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"},
-         "cpu": {"capability"}}
+         "cpu": {"capability"}, "tf32": set()}
 _STRINGS = {"capability": ("default", "avx2", "avx512")}  # parameters that are names, not numbers
 _BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull", "preempt")
 
@@ -133,9 +136,13 @@ class FaultPlan:
         return bool(self.faults)
 
     def on_model(self, model: torch.nn.Module) -> None:
-        """``weights``: add N(0, std^2) noise to every floating parameter (fixed per run: seeded by the rank)."""
+        """``weights``: add N(0, std^2) noise to every floating parameter (fixed per run: seeded by the rank);
+        ``tf32``: TF32 on for CUDA matmuls and convolutions."""
         gen = torch.Generator().manual_seed(1000 + self.rank)
         for f in self.faults:
+            if f.kind == "tf32":
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+                torch.set_float32_matmul_precision("high")
             if f.kind == "weights":
                 with torch.no_grad():
                     for p in model.parameters():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 19 in one run (about 5-8 minutes on one GPU): the tests marked gpu, then the
+# The GPU checks (issues 19, 27: the fast path; the canary and pin on the device) in one run (about 5-8 minutes on one GPU): the tests marked gpu, then the
 # throughput benchmark on the GPU (resnet50 and vit_b_16, random weights, bf16, batch 256, the shipped
 # ImageNet sample images from disk as an ImageFolder view; disteval's loop against a bare loop, a torchmetrics
 # loop and a gather-per-batch loop), printed as one table at the end. Installs nothing beyond README's set-up.

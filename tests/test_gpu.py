@@ -79,3 +79,27 @@ def test_world_sizes_on_one_gpu_are_bit_identical(cli):
         assert "cuda" in r["device"]
         metrics[w] = r["metrics"]
     assert metrics[1] == metrics[2] == metrics[3]
+
+
+def test_canary_and_pin_on_the_gpu(cli):
+    """Two ranks on the GPU, rank 1 with TF32 on (the tf32 drill: another GPU generation's defaults). warn: the
+    canary runs on the device and, where TF32 changes the digits CNN's bits, finds two classes that differ in
+    tf32; pin: TF32 off and highest matmul precision on every rank, the canary agrees (its record keeps the
+    check before pinning), and the metrics == a one-rank GPU run."""
+    job = ("dist.device=cuda", "communication.backend=gloo", "eval.progress=false")
+    drill = {"DISTEVAL_FAULTS": "tf32@1"}
+    proc, warn_dir = cli("dist.world_size=2", *job, env=drill)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    canary = load_results(warn_dir)["canary"]
+    assert canary["policy"] == "warn" and "seconds" in canary
+    if not canary["homogeneous"]:
+        assert [c["ranks"] for c in canary["classes"]] == [[0], [1]] and "tf32" in canary["classes"][1]["differs"]
+    proc, pin_dir = cli("dist.world_size=2", "dist.heterogeneous=pin", *job, env=drill)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pinned = load_results(pin_dir)
+    assert pinned["canary"]["homogeneous"]
+    if not canary["homogeneous"]:
+        assert pinned["canary"]["pinned_cuda"]["tf32"] is False and not pinned["canary"]["before_pin"]["homogeneous"]
+    proc, one_dir = cli("dist.world_size=1", *job)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert pinned["metrics"] == load_results(one_dir)["metrics"]
