@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("run_a", type=Path, help="a run directory (hydra.run.dir)")
     cmp.add_argument("run_b", type=Path, help="the run directory to compare it with")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON (schema in diagnostics/compare.py)")
+    cmp.add_argument("--significance", action="store_true", help="paired tests on the same samples from both runs' "
+                     "prediction stores (eval.save_predictions=true): McNemar for top-1, a permutation test for NLL, "
+                     "bootstrap intervals of the differences (diagnostics/significance.py)")
+    cmp.add_argument("--resamples", type=int, default=1000, help="--significance: bootstrap and permutation resamples")
+    cmp.add_argument("--level", type=float, default=0.95, help="--significance: the intervals' confidence level")
+    cmp.add_argument("--seed", type=int, default=0, help="--significance: the resampling seed")
     return parser
 
 
@@ -114,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     console = Console()
     if args.command == "compare":
-        sys.exit(run_compare(args.run_a, args.run_b, args.json, console))
+        paired = ({"resamples": args.resamples, "level": args.level, "seed": args.seed} if args.significance
+                  else None)
+        sys.exit(run_compare(args.run_a, args.run_b, args.json, console, paired))
     try:
         code, runs = doctor(args, console)
     except (FileNotFoundError, ValueError) as exc:

@@ -44,7 +44,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from disteval.errors import DataError
+
 from diagnostics.hardware import fingerprint_differences
+from diagnostics.significance import describe as describe_significance, paired_test
 
 SHOW_IDS = 8  # sample ids named in the report
 SETTINGS = ("mode", "compute.threads", "compute.deterministic", "device", "precision.model_dtype", "precision.tf32",
@@ -390,14 +393,22 @@ def print_comparison(result: dict, console: Console) -> None:
         console.print(table)
     else:
         p("settings: none of the recorded settings differ")
+    if result.get("significance"):
+        p(f"[bold]paired tests[/] on the same {result['significance']['samples']} samples (prediction stores):")
+        for line in describe_significance(result["significance"]):
+            p(f"  {escape(line)}")
     p("[bold green]verdict: identical metrics[/]" if result["identical"] else "[bold red]verdict: the metrics differ[/]")
 
 
-def run_compare(run_a: Path, run_b: Path, as_json: bool, console: Console) -> int:
-    """The ``compare`` subcommand: print the comparison; returns the exit code (0, 1 or 2)."""
+def run_compare(run_a: Path, run_b: Path, as_json: bool, console: Console, paired: dict | None = None) -> int:
+    """The ``compare`` subcommand: print the comparison; returns the exit code (0, 1 or 2). ``paired``
+    {resamples, level, seed}: add the paired tests of ``diagnostics.significance`` (``significance`` in the JSON);
+    exit 2 when the runs' samples differ or a store is missing."""
     try:
         result = compare_runs(run_a, run_b)
-    except (FileNotFoundError, ValueError) as exc:
+        if paired is not None:
+            result["significance"] = paired_test(run_a, run_b, **paired)
+    except (FileNotFoundError, ValueError, DataError) as exc:
         if as_json:
             print(json.dumps({"exit_code": 2, "error": str(exc)}))
         else:

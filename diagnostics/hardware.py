@@ -53,7 +53,8 @@ def convergence_hardware(run: Run, probes: dict | None) -> Finding:
         differs = sorted({k for c in classes[1:] for k in c.get("differs") or []})
         return Finding("CONVERGENCE", "hardware", "warn", f"the ranks ran different kernels ({len(classes)} numeric "
                        f"classes: {[c['ranks'] for c in classes]}, differing in {', '.join(differs)})" +
-                       ("; the canary's probe gave the same bits on every rank" if rec and rec.get("homogeneous") else ""),
+                       ("; the canary's probe gave the same bits on every rank"
+                        if rec and rec.get("homogeneous") else ""),
                        [Evidence("results.json", str([c["ranks"] for c in classes]), field="numeric_classes")], PIN)
     pinned = (rec or {}).get("cpu_kernels")
     return Finding("CONVERGENCE", "hardware", "pass", "every rank computed the same bits on the canary's probe "
@@ -101,6 +102,7 @@ def fingerprint_differences(results_a: dict, results_b: dict) -> list[dict]:
     out = [{"field": k, "a": values(results_a, k), "b": values(results_b, k)} for k in KERNEL_FIELDS
            if values(results_a, k) != values(results_b, k)]
     ca, cb = results_a.get("canary") or {}, results_b.get("canary") or {}
-    if ca.get("digest") and cb.get("digest") and ca.get("samples") == cb.get("samples") and ca["digest"] != cb["digest"]:
+    if ca.get("digest") and cb.get("digest") and ca.get("samples") == cb.get("samples") and \
+            ca["digest"] != cb["digest"]:
         out.append({"field": "canary", "a": ca["digest"], "b": cb["digest"]})
     return out

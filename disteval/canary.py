@@ -21,8 +21,9 @@ from torch.utils.data import default_collate
 
 from disteval.common.fingerprint import fingerprint_digest
 from disteval.common.kernels import lowest_common, native_capability, pin_capability
-from disteval.errors import NumericDriftError
+from disteval.errors import DataError, NumericDriftError
 
+NO_PROBE = bytes(16)  # the digest slot of a rank that could not load the probe (a real digest is never all zero)
 __all__ = ["Canary", "digest", "drift", "output_tensors", "pin_cpu_kernels", "pin_cuda", "probe_inputs"]
 
 
@@ -76,7 +77,8 @@ def drift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
         if a.is_floating_point() and a.dim() >= 2:
             flips += int((a.argmax(-1) != b.argmax(-1)).sum())
         elif a.is_floating_point() and a.dim() == 1 and a.numel() > 1:
-            order += int(not torch.equal(a.argsort(descending=True, stable=True), b.argsort(descending=True, stable=True)))
+            order += int(not torch.equal(a.argsort(descending=True, stable=True),
+                                         b.argsort(descending=True, stable=True)))
     return {"comparable": True, "max_abs_diff": max_abs, "max_rel_diff": max_rel, "argmax_flips": flips,
             "order_changes": order}
 
@@ -119,17 +121,26 @@ class Canary:
         the fingerprint's), and on a difference the outputs. Returns the record: samples, digest (this rank's),
         homogeneous, classes [{ranks, digest, hosts, fingerprint_digest, differs, drift}], seconds."""
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            tensors = output_tensors(self.forward())
-        mine = digest(tensors)
+        try:
+            with torch.inference_mode():
+                tensors = output_tensors(self.forward())
+            mine = digest(tensors)
+        except DataError as exc:  # a probe sample that cannot be loaded: the loop names it in its owner's shard
+            tensors, mine, failed = [], NO_PROBE, str(exc)
         record: dict = {"samples": self.samples, "digest": mine.hex()}
         world = self.comm.world_size if self.comm is not None else 1
-        if world == 1:
-            record.update(homogeneous=True, classes=[{"ranks": [0], "digest": mine.hex()}])
-        else:
+        rows = [mine]
+        if world > 1:  # every rank exchanges, also one without a probe: no rank waits alone
             fp = bytes.fromhex(fingerprint_digest(self.identity()["fingerprint"]))
             row = torch.frombuffer(bytearray(mine + fp), dtype=torch.uint8).reshape(1, -1)
             rows = [bytes(t.reshape(-1).tolist()) for t in self.comm.all_gather_sized(row, [1] * world)]
+        without = [r for r, b in enumerate(rows) if b[:16] == NO_PROBE]
+        if without:
+            return {"skipped": f"rank(s) {without} could not load the probe samples" +
+                    (f" ({failed[:300]})" if mine == NO_PROBE else ""), "seconds": time.perf_counter() - t0}
+        if world == 1:
+            record.update(homogeneous=True, classes=[{"ranks": [0], "digest": mine.hex()}])
+        else:
             groups: dict[bytes, list[int]] = {}
             for r, b in enumerate(rows):
                 groups.setdefault(b[:16], []).append(r)
@@ -202,7 +213,7 @@ def settle(canary: Canary, policy: str, device: torch.device) -> dict:
     holds the same digests, so every rank takes the same decision."""
     record = canary.check()
     record["policy"] = policy
-    if record["homogeneous"] or policy == "warn":
+    if record.get("skipped") or record["homogeneous"] or policy == "warn":
         return record
     if policy == "refuse":
         raise NumericDriftError(describe(record) + "; dist.heterogeneous=refuse stops the run before the loop "

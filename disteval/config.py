@@ -447,6 +447,17 @@ class EmbeddingConfig:
 
 
 @dataclass
+class PredictionsConfig:
+    """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample for classification
+    (``disteval.data.prediction_store``: RUN_DIR/predictions/rank{r}.parquet and manifest.json): the ``topk``
+    classes and their softmax probabilities; ``logits``: the full logits too (re-scoring,
+    ``python -m disteval.rescore``, needs them)."""
+
+    topk: int = 5
+    logits: bool = False
+
+
+@dataclass
 class EvalConfig:
     """``eval.*``: metric families and their options (classification, ranking; coco for detection data).
     iou_type: bbox | segm (coco). save_predictions: each rank also writes its detections as a COCO results
@@ -493,10 +504,12 @@ class EvalConfig:
     compile_backend: str = "inductor"
     ignore_index: Optional[int] = 255
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
         self.embedding.validate()
+        _at_least("eval.predictions.topk", self.predictions.topk, 1)
         _at_least("eval.trials", self.trials, 1)
         if self.trial_aggregate not in AGGREGATES:
             raise ConfigError("eval.trial_aggregate", f"{self.trial_aggregate!r} is not one of {list(AGGREGATES)}")

@@ -39,6 +39,7 @@ from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
+from disteval.predictions import PredictionHook, weights_digest, write_manifest
 from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
                               write_results)
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -104,6 +105,15 @@ class RankRun:
         self.outcomes: list[dict] = []
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
+        self.store = self._store()
+
+    def _store(self) -> PredictionHook | None:
+        """The prediction store's hook (``eval.save_predictions=true`` on classification data), else None."""
+        cfg = self.ctx.cfg
+        if not cfg.eval.get("save_predictions") or self.task.name != "classification":
+            return None
+        return PredictionHook(self.ctx.run_dir, self.ctx.rank, int(cfg.eval.predictions.topk),
+                              bool(cfg.eval.predictions.logits))
 
     def check_canary(self) -> dict:
         """The canary before the loop (``disteval.canary``): the dataset's first ``dist.canary_samples`` samples
@@ -120,8 +130,9 @@ class RankRun:
         if skip:
             self.canary = {"skipped": skip}
             return self.canary
-        inputs, step = probe_inputs(self.dataset, self.task.collate_fn(), samples), self._step()
-        canary = Canary(lambda: step(self.model, inputs), min(samples, len(self.dataset)),
+        step, collate = self._step(), self.task.collate_fn()
+        canary = Canary(lambda: step(self.model, probe_inputs(self.dataset, collate, samples)),
+                        min(samples, len(self.dataset)),
                         ctx.comm if ctx.world_size > 1 else None,
                         lambda: {"fingerprint": self.fingerprint, "host": ctx.status.record.get("host"),
                                  "node": (ctx.net or {}).get("node")})
@@ -187,6 +198,8 @@ class RankRun:
         if guard is not None:
             hooks.append(GuardHook(guard))
         hooks.append(FaultHook(self.faults))
+        if self.store is not None and not self.outcomes:  # the first trial's predictions
+            hooks.append(self.store)
         return hooks
 
     def _step(self):
@@ -246,7 +259,7 @@ class RankRun:
     def _row(self, ev: Evaluator, progress) -> dict:
         return {"rank": self.ctx.rank, "start": progress.start, "end": progress.end, "samples": progress.samples,
                 "batches": progress.batches, "seconds_load": self.seconds_load, "allocator": self.allocator,
-                "fingerprint": self.fingerprint,
+                "fingerprint": self.fingerprint, **({"predictions": self.store.entry} if self.store else {}),
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
                 **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
@@ -345,6 +358,12 @@ class RankRun:
             "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
+        if self.store is not None:
+            path = write_manifest(ctx.run_dir, cfg, {
+                "task": self.task.name, "num_samples": len(self.dataset), "num_classes": self.task.num_classes,
+                "weights_digest": weights_digest(self.model)}, [r["predictions"] for r in last["rows"]])
+            results["predictions"] = {"manifest": str(path.relative_to(ctx.run_dir)),
+                                      "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"])}
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_warnings(results.get("warnings") or [])

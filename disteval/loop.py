@@ -96,6 +96,10 @@ class LoopHook:
         end of it, so a checkpoint holds whole batches)."""
         return contextlib.nullcontext()
 
+    def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
+        """A batch's outputs, targets and global sample ids (int64 [B]), after they were accumulated (the
+        prediction store, ``disteval.store``)."""
+
     def after_batch(self, progress: LoopProgress) -> None:
         """After each batch was accumulated."""
 
@@ -180,6 +184,8 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
                     evaluator.process(index, outputs, targets, ids)
                     progress.samples += int(ids.numel())
                     progress.batches += 1
+                for hook in hooks:
+                    hook.after_outputs(outputs, targets, ids)
                 if k == 0 and progress.seconds_warmup < 0:  # timed apart (ShardSpec.warmup)
                     progress.seconds_warmup = time.perf_counter() - t0
                     progress.samples_warmup = int(ids.numel())

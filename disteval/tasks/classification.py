@@ -8,6 +8,7 @@ import torch
 
 from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape,
                                     prepare_data)
+from disteval.data.prediction_store import load_store, read_manifest
 from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
@@ -102,3 +103,39 @@ class ClassificationTask(Task):
                          "average over all classes (classes without samples count as 0, scikit-learn's "
                          "labels=range(C), zero_division=0)")
         return rows, [], notes
+
+
+@register_task
+class PredictionReplayTask(ClassificationTask):
+    """Re-scoring a prediction store without the model (``data.name=predictions``, ``data.root`` the store's
+    folder, ``python -m disteval.rescore``): the stored float32 logits pass through an identity model into the
+    classification task's metrics, batched as the run that wrote them (``data.batch_size``), so bitwise mode
+    gives its bits at any world size. Raises DataError naming a missing, corrupt or incomplete rank file."""
+
+    name = "prediction_replay"
+    data_names = ("predictions",)
+
+    @property
+    def num_classes(self) -> int:
+        if self._num_classes is None:
+            self._num_classes = int(read_manifest(self.cfg.data.root)["settings"]["num_classes"])
+        return self._num_classes
+
+    def preflight(self, notes: list[str]) -> None:
+        unknown = [m for m in self.cfg.eval.metrics if m not in FAMILIES]
+        if unknown:
+            raise ConfigError("eval.metrics", f"{unknown} are not metric families of classification predictions; "
+                              f"available: {list(FAMILIES)}")
+        if not self.cfg.data.get("root"):
+            raise ConfigError("data.root", "data.name=predictions needs data.root=STORE (a run's predictions/ folder)")
+        too_big = [k for k in self.cfg.eval.topk if k > self.num_classes]
+        if too_big:
+            raise ConfigError("eval.topk", f"k={too_big} exceed the store's {self.num_classes} classes")
+
+    def dataset(self):
+        dataset, manifest = load_store(self.cfg.data.root)
+        self._num_classes = int(manifest["settings"]["num_classes"])
+        return dataset
+
+    def model(self, device: torch.device) -> torch.nn.Module:
+        return torch.nn.Identity()

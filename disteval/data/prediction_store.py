@@ -1,0 +1,151 @@
+"""A run's prediction store (``eval.save_predictions=true``, classification): one Parquet file per rank with its
+samples' predictions keyed by global sample id, and a manifest saying what produced them. Read and written with
+pyarrow; readable by pandas, polars or DuckDB (README: Keep predictions, re-score, compare).
+
+Layout under the run directory::
+
+    predictions/rank{r}.parquet   sample_id int64, target int64, topk_ids list<int32>[k], topk_scores
+                                  list<float32>[k] (softmax probabilities), logits list<float32>[C] (with
+                                  eval.predictions.logits=true: what re-scoring needs)
+    predictions/manifest.json     schema_version, task, model {name, weights, checkpoint, weights_digest},
+                                  data {name, split, num_samples, preprocessing_digest}, settings {topk, logits,
+                                  batch_size, mode, model_dtype, num_classes}, files [{rank, path, rows, sha256}]
+
+``load_store`` serves a store back as a dataset of ``(logits, target, sample_id)``: re-scoring runs the same
+metrics over the stored outputs, with the run's batch size, so bitwise mode gives the writer's bits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from disteval.errors import ConfigError, DataError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+# the data settings that decide what the model saw (root and loader settings excluded: the same images elsewhere)
+PREPROCESSING_KEYS = ("name", "split", "limit", "resize_size", "crop_size", "mean", "std", "decode_on_device")
+
+
+def classification_batch(outputs: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, topk: int,
+                         logits: bool):
+    """A pyarrow RecordBatch of one batch: ``outputs`` float32 logits [B, C], ``targets`` int64 [B], ``ids``
+    int64 [B]; the top-``topk`` class ids and softmax probabilities, and the logits themselves with ``logits``."""
+    import pyarrow as pa
+
+    out = outputs.detach().float().cpu()
+    k = min(topk, out.shape[1])
+    scores, classes = torch.softmax(out, dim=1).topk(k, dim=1)
+    cols = {"sample_id": pa.array(ids.cpu().numpy().astype(np.int64)),
+            "target": pa.array(torch.as_tensor(targets).cpu().numpy().astype(np.int64)),
+            "topk_ids": pa.FixedSizeListArray.from_arrays(pa.array(classes.numpy().astype(np.int32).ravel()), k),
+            "topk_scores": pa.FixedSizeListArray.from_arrays(pa.array(scores.numpy().ravel()), k)}
+    if logits:
+        cols["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(out.numpy().ravel()), out.shape[1])
+    return pa.RecordBatch.from_pydict(cols)
+
+
+def preprocessing_digest(data_cfg: Any) -> str:
+    """sha256 of the data settings in ``PREPROCESSING_KEYS`` (canonical JSON): equal for the same images
+    prepared the same way, wherever their root is."""
+    get = data_cfg.get if hasattr(data_cfg, "get") else (lambda k, d=None: getattr(data_cfg, k, d))
+    values = {k: _plain(get(k, None)) for k in PREPROCESSING_KEYS}
+    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return getattr(value, "value", value)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def read_manifest(store: str | Path) -> dict:
+    """The store's manifest. Raises DataError naming the file when it is missing, unreadable or of another
+    schema version."""
+    path = Path(store) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: no prediction store manifest here (a run with eval.save_predictions=true writes "
+                        "RUN_DIR/predictions/manifest.json)") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable manifest: {exc}") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise DataError(f"{path}: schema_version {manifest.get('schema_version')!r}, this disteval reads "
+                        f"{SCHEMA_VERSION}")
+    return manifest
+
+
+def check_identity(manifest: dict, data_cfg: Any, store: str | Path) -> None:
+    """Raise ConfigError naming each difference between the store's data identity and the requested data
+    (``data_cfg``: name, split, preprocessing): re-scoring predictions of other images is refused."""
+    want = {"name": data_cfg.get("name"), "split": data_cfg.get("split"),
+            "preprocessing_digest": preprocessing_digest(data_cfg)}
+    have = manifest.get("data") or {}
+    diffs = [f"{k}: the store has {have.get(k)!r}, the job asks for {v!r}" for k, v in want.items() if have.get(k) != v]
+    if diffs:
+        raise ConfigError("data", f"the prediction store {store} was written for other data: " + "; ".join(diffs)
+                          + " (re-score with the data settings of the run that wrote it)")
+
+
+def load_store(store: str | Path) -> tuple[Any, dict]:
+    """(dataset, manifest): the stored predictions as an ``IndexedDataset`` of ``(logits float32 [C], target
+    int64, sample_id)`` in sample-id order 0..N-1 (batches are cut straight out of the tensors), and the
+    manifest. Every rank file is checked against its manifest entry (present, sha256, row count) and the ids
+    must be exactly 0..N-1 once. Raises DataError naming the file or the sample ids."""
+    import pyarrow.parquet as pq
+    from torch.utils.data import TensorDataset
+
+    from disteval.data.datasets import IndexedDataset
+
+    store = Path(store)
+    manifest = read_manifest(store)
+    if not manifest["settings"].get("logits"):
+        raise DataError(f"{store / MANIFEST}: the store holds top-{manifest['settings']['topk']} classes only; "
+                        "re-scoring needs the logits (write it with eval.predictions.logits=true)")
+    tables = []
+    for entry in manifest["files"]:
+        path = store / entry["path"]
+        if not path.is_file():
+            raise DataError(f"{path}: rank {entry['rank']}'s prediction file is missing")
+        if file_sha256(path) != entry["sha256"]:
+            raise DataError(f"{path}: rank {entry['rank']}'s prediction file does not match its manifest entry "
+                            "(sha256 differs: corrupt or replaced)")
+        try:
+            table = pq.read_table(path, columns=["sample_id", "target", "logits"])
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: unreadable Parquet file: {exc}") from None
+        if table.num_rows != entry["rows"]:
+            raise DataError(f"{path}: {table.num_rows} rows, the manifest says {entry['rows']}")
+        tables.append(table)
+    ids = np.concatenate([t.column("sample_id").to_numpy() for t in tables]) if tables else np.zeros(0, np.int64)
+    n = int(manifest["data"]["num_samples"])
+    order = np.argsort(ids, kind="stable")
+    if len(ids) != n or not np.array_equal(ids[order], np.arange(n)):
+        missing = np.setdiff1d(np.arange(n), ids)[:8].tolist()
+        raise DataError(f"{store}: the rank files hold {len(ids)} predictions for {n} samples (missing ids "
+                        f"{missing}, or duplicates)")
+    c = int(manifest["settings"]["num_classes"])
+    logits = np.concatenate([t.column("logits").combine_chunks().flatten().to_numpy() for t in tables])
+    targets = np.concatenate([t.column("target").to_numpy() for t in tables])
+    base = TensorDataset(torch.from_numpy(np.ascontiguousarray(logits.reshape(-1, c)[order], dtype=np.float32)),
+                         torch.from_numpy(np.ascontiguousarray(targets[order], dtype=np.int64)))
+    return IndexedDataset(base, None), manifest

@@ -1,0 +1,86 @@
+"""Writing a run's prediction store (``eval.save_predictions=true`` on classification data; the format is
+``disteval.data.prediction_store``'s): each rank collects its batches' predictions in a loop hook and writes
+``predictions/rank{r}.parquet`` atomically after its loop (a temporary file in the same folder, then a rename);
+rank 0 writes ``predictions/manifest.json`` after the synchronisation, from every rank's file entry (rows,
+sha256) carried in the synchronised rows, with the model's and the data's identity."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disteval.data.prediction_store import (MANIFEST, SCHEMA_VERSION, classification_batch, file_sha256,
+                                            preprocessing_digest)
+from disteval.loop import LoopHook
+from disteval.records import atomic_write_json
+
+STORE_DIR = "predictions"
+
+
+class PredictionHook(LoopHook):
+    """One rank's predictions: ``after_outputs`` turns each batch into a RecordBatch (top-``topk`` ids and
+    probabilities, the logits with ``logits``), ``after_loop`` writes them as one Parquet file and keeps its
+    manifest entry in ``entry`` {rank, path, rows, sha256}."""
+
+    def __init__(self, run_dir: str, rank: int, topk: int, logits: bool):
+        self.path = Path(run_dir) / STORE_DIR / f"rank{rank}.parquet"
+        self.rank, self.topk, self.logits = rank, topk, logits
+        self.batches: list = []
+        self.entry: dict | None = None
+
+    def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
+        self.batches.append(classification_batch(outputs, targets, ids, self.topk, self.logits))
+
+    def after_loop(self, progress: Any) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        table = (pa.Table.from_batches(self.batches) if self.batches else
+                 pa.Table.from_batches([classification_batch(torch.zeros(0, 1), torch.zeros(0, dtype=torch.int64),
+                                                             torch.zeros(0, dtype=torch.int64), self.topk,
+                                                             self.logits)]))
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.entry = {"rank": self.rank, "path": self.path.name, "rows": table.num_rows,
+                      "sha256": file_sha256(self.path)}
+        self.batches = []
+
+
+def weights_digest(model: torch.nn.Module | None) -> str | None:
+    """sha256 over the model's state dict (names, dtypes, shapes and bytes, in order): the model's identity."""
+    if model is None:
+        return None
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) -> Path:
+    """RUN_DIR/predictions/manifest.json (atomic): ``identity`` {task, num_samples, num_classes, weights_digest}
+    from the run, the model and data settings from ``cfg``, ``entries`` the ranks' files in rank order."""
+    model, data = cfg.model, cfg.data
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "task": identity["task"],
+        "model": {"name": model.get("name"), "weights": model.get("weights"), "checkpoint": model.get("checkpoint"),
+                  "weights_digest": identity["weights_digest"]},
+        "data": {"name": data.get("name"), "split": data.get("split"), "num_samples": identity["num_samples"],
+                 "preprocessing_digest": preprocessing_digest(data)},
+        "settings": {"topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
+                     "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
+                     "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"]},
+        "files": sorted(entries, key=lambda e: e["rank"]),
+    }
+    path = Path(run_dir) / STORE_DIR / MANIFEST
+    atomic_write_json(path, manifest)
+    return path

@@ -1,0 +1,71 @@
+"""``python -m disteval.rescore STORE [OVERRIDES...]``: the metrics of a prediction store, without the model.
+
+STORE is a run directory written with ``eval.save_predictions=true eval.predictions.logits=true`` (or its
+``predictions/`` folder). The store is evaluated as a normal run of ``python -m disteval`` (ranks, shards,
+synchronisation, results.json in its own run directory) with ``data=predictions`` and an identity model, batched
+as the run that wrote it (``data.batch_size`` and ``eval.mode`` from the manifest): in bitwise mode its metrics
+are the writer's bits at any world size. OVERRIDES are the job's (``eval.metrics=[classification,ranking]``,
+``dist.world_size=3``, ``hydra.run.dir=...``); overrides that name data (``+experiment=...``, ``data=...``,
+``data.*``) state which data the predictions must be of: the store's manifest must match them (name, split,
+preprocessing), else exit 2 naming the difference. Exit codes are ``python -m disteval``'s.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DATA_PREFIXES = ("data.", "data=", "+experiment=", "experiment=")
+
+
+def _store_dir(arg: str) -> Path:
+    path = Path(arg).resolve()
+    return path / "predictions" if (path / "predictions" / "manifest.json").is_file() else path
+
+
+def _requested_data(overrides: list[str]):
+    """The data config the data overrides compose to (Hydra, disteval's schema)."""
+    from hydra import compose, initialize_config_dir
+
+    from disteval.config import conf_dir, register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides).data
+
+
+def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
+    """The ``python -m disteval`` command line that re-scores ``store``: the store as data, the identity model,
+    the writer's batch size and mode, then the job's non-data ``overrides``."""
+    settings = manifest["settings"]
+    rest = [o for o in overrides if not o.startswith(DATA_PREFIXES)]
+    return [sys.executable, "-m", "disteval", "data=predictions", f"data.root={store}",
+            f"data.batch_size={int(settings['batch_size'])}", f"data.split={manifest['data'].get('split')}",
+            "model=replay", f"eval.mode={settings['mode']}", *rest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from disteval.data.prediction_store import check_identity, read_manifest
+    from disteval.errors import DistevalError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    store, overrides = _store_dir(argv[0]), argv[1:]
+    try:
+        manifest = read_manifest(store)
+        data_overrides = [o for o in overrides if o.startswith(DATA_PREFIXES)]
+        if data_overrides:
+            check_identity(manifest, _requested_data(data_overrides), store)
+    except DistevalError as exc:
+        print(f"disteval.rescore: {exc}", file=sys.stderr)
+        return 2
+    cmd = command(store, manifest, overrides)
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

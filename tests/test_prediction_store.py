@@ -1,0 +1,159 @@
+"""The prediction store (``eval.save_predictions=true``) and re-scoring without the model
+(``python -m disteval.rescore``), with real ranks: stores written at W=1, 2, 3 re-score to metrics ``==`` the
+writer's; the stored top-k agrees with the stored logits (numpy) and DuckDB reads the files as they are; a
+missing or corrupt rank file is named; a store of other data is refused."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import load_results, run_disteval
+
+FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
+pytestmark = pytest.mark.skipif(not os.path.isdir(FASHION_ROOT), reason="Debian package dataset-fashion-mnist "
+                                "not installed (.ci/run installs it)")
+JOB = ("+experiment=fashion_mnist", "eval.metrics=[classification,ranking]", "eval.save_predictions=true",
+       "eval.predictions.logits=true", "eval.progress=false")
+
+
+def _rescore(store: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "disteval.rescore", str(store), f"hydra.run.dir={run_dir}",
+                           "eval.progress=false", *overrides], capture_output=True, text=True, timeout=300,
+                          cwd=run_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """Fashion-MNIST (classification + ranking) written with logits at W=1, 2, 3: {W: run_dir}."""
+    base = tmp_path_factory.mktemp("stores")
+    out = {}
+    for w in (1, 2, 3):
+        proc = run_disteval(*JOB, f"dist.world_size={w}", run_dir=base / f"w{w}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[w] = base / f"w{w}"
+    return out
+
+
+def test_stores_rescore_to_the_writers_bits_at_every_world_size(stores, tmp_path):
+    want = load_results(stores[1])["metrics"]
+    for w, run_dir in stores.items():
+        assert load_results(run_dir)["metrics"] == want  # bitwise mode: the writers agree
+        manifest = json.loads((run_dir / "predictions" / "manifest.json").read_text())
+        assert [f["rank"] for f in manifest["files"]] == list(range(w))
+        assert sum(f["rows"] for f in manifest["files"]) == 10000 == manifest["data"]["num_samples"]
+        assert load_results(run_dir)["predictions"] == {"manifest": "predictions/manifest.json", "rows": 10000}
+        rescore_w = {1: 3, 2: 1, 3: 2}[w]  # another world size than the writer's
+        proc = _rescore(run_dir, tmp_path / f"r{w}", f"dist.world_size={rescore_w}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = load_results(tmp_path / f"r{w}")
+        assert res["metrics"] == want and res["world_size"] == rescore_w and res["task"]["name"] == "prediction_replay"
+
+
+def test_stored_topk_agrees_with_the_stored_logits_and_duckdb_reads_it(stores):
+    import duckdb
+    import pyarrow.parquet as pq
+
+    store = stores[3] / "predictions"
+    table = pq.read_table(store).sort_by("sample_id")
+    logits = np.stack(table.column("logits").to_numpy(zero_copy_only=False)).astype(np.float64)
+    ids = np.stack(table.column("topk_ids").to_numpy(zero_copy_only=False))
+    scores = np.stack(table.column("topk_scores").to_numpy(zero_copy_only=False))
+    assert np.array_equal(table.column("sample_id").to_numpy(), np.arange(10000))
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :5]
+    assert np.array_equal(ids, order)
+    soft = np.exp(logits - logits.max(1, keepdims=True))
+    soft /= soft.sum(1, keepdims=True)
+    assert np.allclose(scores, np.take_along_axis(soft, order, 1), rtol=1e-5, atol=1e-7)
+    top1 = duckdb.sql(f"SELECT avg(CAST(topk_ids[1] = target AS DOUBLE)) FROM '{store}/*.parquet'").fetchone()[0]
+    assert top1 == load_results(stores[3])["metrics"]["top1"]
+
+
+def test_damaged_stores_and_other_data_are_refused(stores, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(stores[2], run_dir)
+    other = _rescore(run_dir, tmp_path / "digits", "+experiment=digits")
+    assert other.returncode == 2 and "name: the store has 'fashion_mnist', the job asks for 'digits'" in other.stderr
+    same = _rescore(run_dir, tmp_path / "same", "+experiment=fashion_mnist", "dist.world_size=1")
+    assert same.returncode == 0, same.stderr[-3000:]
+    rank1 = run_dir / "predictions" / "rank1.parquet"
+    data = bytearray(rank1.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank1.write_bytes(bytes(data))
+    bad = _rescore(run_dir, tmp_path / "corrupt", "dist.world_size=1")
+    assert bad.returncode != 0 and f"{rank1}: rank 1's prediction file does not match its manifest entry" in \
+        " ".join(bad.stderr.split()), bad.stderr[-3000:]
+    rank1.unlink()
+    gone = _rescore(run_dir, tmp_path / "missing", "dist.world_size=1")
+    assert gone.returncode != 0 and f"{rank1}: rank 1's prediction file is missing" in " ".join(gone.stderr.split())
+    topk_only = run_disteval("+experiment=fashion_mnist", "eval.save_predictions=true", "data.limit=300",
+                             run_dir=tmp_path / "topk")
+    assert topk_only.returncode == 0, topk_only.stderr[-3000:]
+    refused = _rescore(tmp_path / "topk", tmp_path / "topk_rescored")
+    assert refused.returncode != 0 and "re-scoring needs the logits" in refused.stderr
+
+
+def _exact_mcnemar(only_a: int, only_b: int) -> float:
+    """McNemar's exact two-sided p-value from its definition: twice the binomial(n, 1/2) tail at min(b, c)."""
+    from math import comb
+
+    n = only_a + only_b
+    return min(1.0, 2 * sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n) if n else 1.0
+
+
+def test_paired_significance_between_two_checkpoints(stores, tmp_path):
+    """Another checkpoint (the shipped one with noise on its weights) on the same samples: compare
+    --significance counts the discordant pairs as numpy does from the stores, McNemar's p equals the exact
+    binomial tail, the NLL permutation test and the intervals equal scipy's on the same numbers; a run of
+    other samples is refused naming how many and which."""
+    import pyarrow.parquet as pq
+    import torch
+    from scipy.stats import bootstrap, permutation_test
+
+    from conftest import REPO
+
+    state = torch.load(REPO / "disteval/models/checkpoints/fashion_cnn.pt", weights_only=True)
+    gen = torch.Generator().manual_seed(3)
+    torch.save({k: v + 0.02 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+                for k, v in state.items()}, tmp_path / "noisy.pt")
+    proc = run_disteval(*JOB, "dist.world_size=2", f"model.checkpoint={tmp_path / 'noisy.pt'}", run_dir=tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(stores[1]), str(tmp_path / "b"),
+                          "--significance", "--json", "--resamples", "400", "--seed", "5"],
+                         capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 1, cmp.stderr[-3000:]
+    sig = json.loads(cmp.stdout)["significance"]
+
+    def per_sample(run):
+        t = pq.read_table(run / "predictions").sort_by("sample_id")
+        z = np.stack(t.column("logits").to_numpy(zero_copy_only=False)).astype(np.float64)
+        y = t.column("target").to_numpy()
+        m = z.max(1)
+        return (z.argmax(1) == y).astype(np.float64), m + np.log(np.exp(z - m[:, None]).sum(1)) - z[np.arange(len(y)), y]
+
+    (ca, na), (cb, nb) = per_sample(stores[1]), per_sample(tmp_path / "b")
+    only_a, only_b = int(((ca == 1) & (cb == 0)).sum()), int(((ca == 0) & (cb == 1)).sum())
+    top1 = sig["top1"]
+    assert (top1["only_a"], top1["only_b"]) == (only_a, only_b) and only_a + only_b > 0
+    assert top1["a"] == ca.mean() == load_results(stores[1])["metrics"]["top1"]
+    assert top1["p_value"] == pytest.approx(_exact_mcnemar(only_a, only_b), rel=1e-9)
+    diff = lambda u, v, axis: u.mean(axis) - v.mean(axis)  # noqa: E731
+    ci = bootstrap((ca, cb), diff, paired=True, vectorized=True, n_resamples=400, method="percentile",
+                   rng=np.random.default_rng(5))
+    assert top1["interval"] == [ci.confidence_interval.low, ci.confidence_interval.high]
+    perm = permutation_test((na, nb), diff, permutation_type="samples", vectorized=True, n_resamples=400,
+                            rng=np.random.default_rng(5))
+    assert sig["nll"]["p_value"] == perm.pvalue and sig["nll"]["difference"] == na.mean() - nb.mean()
+    assert sig["samples"] == 10000
+
+    short = run_disteval(*JOB, "data.limit=9990", "dist.world_size=1", run_dir=tmp_path / "short")
+    assert short.returncode == 0, short.stderr[-3000:]
+    refused = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(stores[1]), str(tmp_path / "short"),
+                              "--significance"], capture_output=True, text=True, timeout=300)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "10 only in A (ids [9990, 9991" in said, said[-2000:]
