@@ -449,7 +449,7 @@ class EmbeddingConfig:
 @dataclass
 class PredictionsConfig:
     """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample for classification
-    (``disteval.data.prediction_store``: RUN_DIR/predictions/rank{r}.parquet and manifest.json): the ``topk``
+    (``disteval.data.prediction_store``: RUN_DIR/predictions/rank{r}.parquet and _manifest.json): the ``topk``
     classes and their softmax probabilities; ``logits``: the full logits too (re-scoring,
     ``python -m disteval.rescore``, needs them)."""
 

@@ -1,7 +1,7 @@
 """Writing a run's prediction store (``eval.save_predictions=true`` on classification data; the format is
 ``disteval.data.prediction_store``'s): each rank collects its batches' predictions in a loop hook and writes
 ``predictions/rank{r}.parquet`` atomically after its loop (a temporary file in the same folder, then a rename);
-rank 0 writes ``predictions/manifest.json`` after the synchronisation, from every rank's file entry (rows,
+rank 0 writes ``predictions/_manifest.json`` after the synchronisation, from every rank's file entry (rows,
 sha256) carried in the synchronised rows, with the model's and the data's identity."""
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def weights_digest(model: torch.nn.Module | None) -> str | None:
 
 
 def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) -> Path:
-    """RUN_DIR/predictions/manifest.json (atomic): ``identity`` {task, num_samples, num_classes, weights_digest}
+    """RUN_DIR/predictions/_manifest.json (atomic): ``identity`` {task, num_samples, num_classes, weights_digest}
     from the run, the model and data settings from ``cfg``, ``entries`` the ranks' files in rank order."""
     model, data = cfg.model, cfg.data
     manifest = {
@@ -78,7 +78,8 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
                  "preprocessing_digest": preprocessing_digest(data)},
         "settings": {"topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
                      "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
-                     "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"]},
+                     "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
+                     "metrics": [str(m) for m in cfg.eval.metrics], "eval_topk": [int(k) for k in cfg.eval.topk]},
         "files": sorted(entries, key=lambda e: e["rank"]),
     }
     path = Path(run_dir) / STORE_DIR / MANIFEST

@@ -3,8 +3,8 @@
 STORE is a run directory written with ``eval.save_predictions=true eval.predictions.logits=true`` (or its
 ``predictions/`` folder). The store is evaluated as a normal run of ``python -m disteval`` (ranks, shards,
 synchronisation, results.json in its own run directory) with ``data=predictions`` and an identity model, batched
-as the run that wrote it (``data.batch_size`` and ``eval.mode`` from the manifest): in bitwise mode its metrics
-are the writer's bits at any world size. OVERRIDES are the job's (``eval.metrics=[classification,ranking]``,
+as the run that wrote it (``data.batch_size`` and ``eval.mode`` from the manifest, and by default its metric families
+and top-k): in bitwise mode its metrics are the writer's bits at any world size. OVERRIDES are the job's (``eval.metrics=[classification,ranking]``,
 ``dist.world_size=3``, ``hydra.run.dir=...``); overrides that name data (``+experiment=...``, ``data=...``,
 ``data.*``) state which data the predictions must be of: the store's manifest must match them (name, split,
 preprocessing), else exit 2 naming the difference. Exit codes are ``python -m disteval``'s.
@@ -15,12 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+from disteval.data.prediction_store import MANIFEST
+
 DATA_PREFIXES = ("data.", "data=", "+experiment=", "experiment=")
 
 
 def _store_dir(arg: str) -> Path:
     path = Path(arg).resolve()
-    return path / "predictions" if (path / "predictions" / "manifest.json").is_file() else path
+    return path / "predictions" if (path / "predictions" / MANIFEST).is_file() else path
 
 
 def _requested_data(overrides: list[str]):
@@ -39,9 +41,11 @@ def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
     the writer's batch size and mode, then the job's non-data ``overrides``."""
     settings = manifest["settings"]
     rest = [o for o in overrides if not o.startswith(DATA_PREFIXES)]
+    same = [f"eval.metrics=[{','.join(settings['metrics'])}]", f"eval.topk=[{','.join(map(str, settings['eval_topk']))}]"]
+    same = [o for o in same if not any(r.startswith(o.split("=")[0] + "=") for r in rest)]  # the job's own win
     return [sys.executable, "-m", "disteval", "data=predictions", f"data.root={store}",
             f"data.batch_size={int(settings['batch_size'])}", f"data.split={manifest['data'].get('split')}",
-            "model=replay", f"eval.mode={settings['mode']}", *rest]
+            "model=replay", f"eval.mode={settings['mode']}", *same, *rest]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ Layout under the run directory::
     predictions/rank{r}.parquet   sample_id int64, target int64, topk_ids list<int32>[k], topk_scores
                                   list<float32>[k] (softmax probabilities), logits list<float32>[C] (with
                                   eval.predictions.logits=true: what re-scoring needs)
-    predictions/manifest.json     schema_version, task, model {name, weights, checkpoint, weights_digest},
+    predictions/_manifest.json     schema_version, task, model {name, weights, checkpoint, weights_digest},
                                   data {name, split, num_samples, preprocessing_digest}, settings {topk, logits,
                                   batch_size, mode, model_dtype, num_classes}, files [{rank, path, rows, sha256}]
 
@@ -27,7 +27,7 @@ import torch
 from disteval.errors import ConfigError, DataError
 
 SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = "_manifest.json"
 # the data settings that decide what the model saw (root and loader settings excluded: the same images elsewhere)
 PREPROCESSING_KEYS = ("name", "split", "limit", "resize_size", "crop_size", "mean", "std", "decode_on_device")
 
@@ -85,7 +85,7 @@ def read_manifest(store: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path}: no prediction store manifest here (a run with eval.save_predictions=true writes "
-                        "RUN_DIR/predictions/manifest.json)") from None
+                        "RUN_DIR/predictions/_manifest.json)") from None
     except (OSError, ValueError) as exc:
         raise DataError(f"{path}: unreadable manifest: {exc}") from None
     if manifest.get("schema_version") != SCHEMA_VERSION:
