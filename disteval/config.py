@@ -447,6 +447,22 @@ class EmbeddingConfig:
 
 
 @dataclass
+class CIConfig:
+    """``eval.ci.*``: bootstrap confidence intervals of top-k accuracy and NLL over the samples
+    (``disteval.metrics.bootstrap``; classification): ``resamples`` (0 = none), ``level``, ``seed``; identical at
+    every world size in bitwise mode."""
+
+    resamples: int = 0
+    level: float = 0.95
+    seed: int = 0
+
+    def validate(self) -> None:
+        _at_least("eval.ci.resamples", self.resamples, 0)
+        if not 0 < self.level < 1:
+            raise ConfigError("eval.ci.level", f"must be in (0, 1), got {self.level}")
+
+
+@dataclass
 class PredictionsConfig:
     """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample for classification
     (``disteval.data.prediction_store``: RUN_DIR/predictions/rank{r}.parquet and _manifest.json): the ``topk``
@@ -505,10 +521,12 @@ class EvalConfig:
     ignore_index: Optional[int] = 255
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
+    ci: CIConfig = field(default_factory=CIConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
         self.embedding.validate()
+        self.ci.validate()
         _at_least("eval.predictions.topk", self.predictions.topk, 1)
         _at_least("eval.trials", self.trials, 1)
         if self.trial_aggregate not in AGGREGATES:

@@ -39,7 +39,8 @@ from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
-from disteval.predictions import PredictionHook, weights_digest, write_manifest
+from disteval.metrics.bootstrap import intervals
+from disteval.predictions import PredictionHook, SampleStatsHook, weights_digest, write_manifest
 from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
                               write_results)
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -106,6 +107,8 @@ class RankRun:
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
         self.store = self._store()
+        ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.name == "classification"
+        self.stats = SampleStatsHook([int(k) for k in cfg.eval.topk]) if ci_on else None
 
     def _store(self) -> PredictionHook | None:
         """The prediction store's hook (``eval.save_predictions=true`` on classification data), else None."""
@@ -200,6 +203,8 @@ class RankRun:
         hooks.append(FaultHook(self.faults))
         if self.store is not None and not self.outcomes:  # the first trial's predictions
             hooks.append(self.store)
+        if self.stats is not None and not self.outcomes:
+            hooks.append(self.stats)
         return hooks
 
     def _step(self):
@@ -240,8 +245,23 @@ class RankRun:
             seconds_after_loop = self._after_loop(ev)
             out = self._synchronise(ev, progress)
             out["seconds_after_loop"] = seconds_after_loop
+            if self.stats is not None and not self.outcomes:
+                out["intervals"] = self._intervals()
             display.finish()
         return out
+
+    def _intervals(self) -> dict | None:
+        """Every rank's per-sample rows to rank 0 (one gather), which computes the bootstrap intervals
+        (``disteval.metrics.bootstrap``); None on the other ranks."""
+        ctx, ci = self.ctx, self.ctx.cfg.eval.ci
+        ctx.status.update(in_collective={"op": "bootstrap_gather", "since": time.time()}, force=True)
+        try:
+            parts = ctx.comm.gather_variable(self.stats.rows(), dst=0) if ctx.world_size > 1 else [self.stats.rows()]
+        finally:
+            ctx.status.update(in_collective=None)
+        if parts is None:
+            return None
+        return intervals(torch.cat(parts).numpy(), self.stats.topk, int(ci.resamples), float(ci.level), int(ci.seed))
 
     def _after_loop(self, ev: Evaluator) -> float:
         """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as
@@ -354,7 +374,7 @@ class RankRun:
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
             "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
                                                 if r.get("fingerprint")}),
-            "canary": self.canary,
+            "canary": self.canary, "confidence_intervals": outcomes[0].get("intervals"),
             "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
@@ -366,6 +386,7 @@ class RankRun:
                                       "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"])}
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
+        report.print_intervals(results.get("confidence_intervals"))
         report.print_warnings(results.get("warnings") or [])
         return results
 

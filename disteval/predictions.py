@@ -10,11 +10,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from disteval.data.prediction_store import (MANIFEST, SCHEMA_VERSION, classification_batch, file_sha256,
                                             preprocessing_digest)
 from disteval.loop import LoopHook
+from disteval.metrics.bootstrap import per_sample
 from disteval.records import atomic_write_json
 
 STORE_DIR = "predictions"
@@ -52,6 +54,21 @@ class PredictionHook(LoopHook):
         self.entry = {"rank": self.rank, "path": self.path.name, "rows": table.num_rows,
                       "sha256": file_sha256(self.path)}
         self.batches = []
+
+
+class SampleStatsHook(LoopHook):
+    """Per-sample statistics of this rank's samples for the bootstrap intervals (``eval.ci``):
+    ``disteval.metrics.bootstrap.per_sample`` rows per batch; ``rows()`` all of them, float64 [n, 2 + K]."""
+
+    def __init__(self, topk: list[int]):
+        self.topk, self.parts = list(topk), []
+
+    def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
+        self.parts.append(per_sample(outputs, targets, ids, self.topk))
+
+    def rows(self) -> torch.Tensor:
+        width = 2 + len(self.topk)
+        return torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros((0, width)))
 
 
 def weights_digest(model: torch.nn.Module | None) -> str | None:
