@@ -383,7 +383,10 @@ class RankRun:
                 "task": self.task.name, "num_samples": len(self.dataset), "num_classes": self.task.num_classes,
                 "weights_digest": weights_digest(self.model)}, [r["predictions"] for r in last["rows"]])
             results["predictions"] = {"manifest": str(path.relative_to(ctx.run_dir)),
-                                      "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"])}
+                                      "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"]),
+                                      "seconds": max(float(r["predictions"]["seconds"]) for r in last["rows"]),
+                                      "import_seconds": max(float(r["predictions"]["import_seconds"])
+                                                            for r in last["rows"])}
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_intervals(results.get("confidence_intervals"))

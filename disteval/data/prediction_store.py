@@ -32,22 +32,34 @@ MANIFEST = "_manifest.json"
 PREPROCESSING_KEYS = ("name", "split", "limit", "resize_size", "crop_size", "mean", "std", "decode_on_device")
 
 
-def classification_batch(outputs: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, topk: int,
-                         logits: bool):
-    """A pyarrow RecordBatch of one batch: ``outputs`` float32 logits [B, C], ``targets`` int64 [B], ``ids``
-    int64 [B]; the top-``topk`` class ids and softmax probabilities, and the logits themselves with ``logits``."""
-    import pyarrow as pa
-
+def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, topk: int,
+                           logits: bool) -> dict[str, np.ndarray]:
+    """One batch's columns as numpy arrays: ``outputs`` float32 logits [B, C], ``targets`` int64 [B], ``ids``
+    int64 [B] -> sample_id, target, the top-``topk`` class ids (int32 [B, k]) and softmax probabilities (float32
+    [B, k]), and the logits themselves (float32 [B, C]) with ``logits``."""
     out = outputs.detach().float().cpu()
     k = min(topk, out.shape[1])
     scores, classes = torch.softmax(out, dim=1).topk(k, dim=1)
-    cols = {"sample_id": pa.array(ids.cpu().numpy().astype(np.int64)),
-            "target": pa.array(torch.as_tensor(targets).cpu().numpy().astype(np.int64)),
-            "topk_ids": pa.FixedSizeListArray.from_arrays(pa.array(classes.numpy().astype(np.int32).ravel()), k),
-            "topk_scores": pa.FixedSizeListArray.from_arrays(pa.array(scores.numpy().ravel()), k)}
+    cols = {"sample_id": ids.cpu().numpy().astype(np.int64), "target": torch.as_tensor(targets).cpu().numpy().astype(np.int64),
+            "topk_ids": classes.numpy().astype(np.int32), "topk_scores": scores.numpy()}
     if logits:
-        cols["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(out.numpy().ravel()), out.shape[1])
-    return pa.RecordBatch.from_pydict(cols)
+        cols["logits"] = out.numpy()
+    return cols
+
+
+def classification_table(parts: list[dict[str, np.ndarray]], topk: int, logits: bool, num_classes: int):
+    """The pyarrow Table of a rank's batches (``classification_columns``), fixed-size list columns for the
+    per-sample vectors; an empty table of the same schema without batches."""
+    import pyarrow as pa
+
+    if not parts:
+        parts = [classification_columns(torch.zeros(0, max(num_classes, 1)), torch.zeros(0, dtype=torch.int64),
+                                         torch.zeros(0, dtype=torch.int64), topk, logits)]
+    cols = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    table = {}
+    for name, a in cols.items():
+        table[name] = pa.FixedSizeListArray.from_arrays(pa.array(a.ravel()), a.shape[1]) if a.ndim == 2 else pa.array(a)
+    return pa.table(table)
 
 
 def preprocessing_digest(data_cfg: Any) -> str:
