@@ -67,3 +67,15 @@ def write(name: str, rows: list[dict], smoke: bool) -> Path | None:
     print(f"headline rows written to {path.relative_to(RESULTS.parent.parent)} (python scripts/perf_table.py "
           "puts them into README.md)")
     return path
+
+
+def finish(name: str, rows: list[dict], problems: list[str], smoke: bool, console) -> int:
+    """The end of a benchmark: each problem in red and exit code 1, else the headline rows written (``write``),
+    "checks passed" and 0."""
+    for p in problems:
+        console.print(f"[red]problem:[/] {p}")
+    if problems:
+        return 1
+    write(name, rows, smoke)
+    console.print("checks passed")
+    return 0

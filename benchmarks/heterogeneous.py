@@ -151,14 +151,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="disteval-hetero-") as tmp:
         m = measure(Path(tmp), 1 if args.smoke else args.repeats, args.smoke)
     rows = report(m, console, args.smoke)
-    problems = check(m)
-    for p in problems:
-        console.print(f"[red]problem:[/] {p}")
-    if problems:
-        return 1
-    _summary.write("heterogeneous", rows, args.smoke)
-    console.print("checks passed")
-    return 0
+    return _summary.finish("heterogeneous", rows, check(m), args.smoke, console)
 
 
 if __name__ == "__main__":

@@ -95,13 +95,7 @@ def main() -> int:
                   f"({'met' if top5 < 0.03 else 'NOT met'}{', smoke: one repeat' if args.smoke else ''}); the "
                   "evaluation seconds with and without the store vary more than that from run to run, so the "
                   "store's own seconds (results.json predictions.seconds, the slowest rank's) are the measure")
-    for p in problems:
-        console.print(f"[red]problem:[/] {p}")
-    if problems:
-        return 1
-    _summary.write("prediction_store", rows, args.smoke)
-    console.print("checks passed")
-    return 0
+    return _summary.finish("prediction_store", rows, problems, args.smoke, console)
 
 
 if __name__ == "__main__":
