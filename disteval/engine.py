@@ -107,13 +107,14 @@ class RankRun:
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
         self.store = self._store()
-        ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.name == "classification"
+        ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.logits_per_sample
         self.stats = SampleStatsHook([int(k) for k in cfg.eval.topk]) if ci_on else None
 
     def _store(self) -> PredictionHook | None:
-        """The prediction store's hook (``eval.save_predictions=true`` on classification data), else None."""
+        """The prediction store's hook (``eval.save_predictions=true`` for a task whose outputs
+        are logits per sample, ``Task.logits_per_sample``), else None."""
         cfg = self.ctx.cfg
-        if not cfg.eval.get("save_predictions") or self.task.name != "classification":
+        if not cfg.eval.get("save_predictions") or not self.task.logits_per_sample:
             return None
         return PredictionHook(self.ctx.run_dir, self.ctx.rank, int(cfg.eval.predictions.topk),
                               bool(cfg.eval.predictions.logits))

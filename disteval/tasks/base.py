@@ -23,12 +23,15 @@ class Task(abc.ABC):
     """One task family. Built on the driver (``preflight``) and in every rank from the job config.
 
     Class attributes: ``name`` (the ``eval.task`` value) and ``data_names`` (the ``data.name`` values this
-    task evaluates when ``eval.task=auto``). Dataset items are ``(input, target, sample_id)`` with
+    task evaluates when ``eval.task=auto``); ``logits_per_sample`` (see below). Dataset items are ``(input, target, sample_id)`` with
     ``sample_id`` the item's index in ``[0, len(dataset))``.
     """
 
     name: ClassVar[str] = ""
     data_names: ClassVar[tuple[str, ...]] = ()
+    # outputs are logits [B, C] against class-index targets [B]: the prediction store (eval.save_predictions) and
+    # the bootstrap intervals (eval.ci) take them per sample
+    logits_per_sample: ClassVar[bool] = False
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

@@ -28,6 +28,7 @@ class ClassificationTask(Task):
 
     name = "classification"
     data_names = ("digits", "fashion_mnist", "imagefolder", "webdataset")
+    logits_per_sample = True
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -114,6 +115,7 @@ class PredictionReplayTask(ClassificationTask):
 
     name = "prediction_replay"
     data_names = ("predictions",)
+    logits_per_sample = False  # a store re-scored is not stored again, nor resampled
 
     @property
     def num_classes(self) -> int:
