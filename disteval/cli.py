@@ -134,6 +134,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
     from disteval.engine import run_rank  # noqa: F401 - imported before the launch step (start-up timing)
+    from disteval.canary import policy as heterogeneous_policy
     from disteval.faults import apply_at_start
     from disteval.preflight import preflight, preflight_without_kernels
 
@@ -143,7 +144,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         container = job_container(cfg)
         job = OmegaConf.create(container)
         notes: list[str] = []
-        if external and str(getattr(job.dist.get("heterogeneous"), "value", job.dist.get("heterogeneous"))) == "pin":
+        if external and heterogeneous_policy(job) == "pin":
             preflight_without_kernels(job, notes)  # the rank's CPU kernel set stays free until it is pinned
         else:
             preflight(job, notes)

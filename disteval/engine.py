@@ -30,7 +30,7 @@ from disteval.common.fingerprint import numeric_classes, rank_fingerprint
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError, NumericDriftError
-from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
+from disteval.canary import Canary, describe, pin_cpu_kernels, policy, probe_inputs, settle
 from disteval.faults import FaultPlan, apply_at_start
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
 from disteval.metrics import check_coverage, raise_if_incomplete
@@ -142,12 +142,13 @@ class RankRun:
                                  "node": (ctx.net or {}).get("node")})
         ctx.status.update(in_collective={"op": "canary", "since": time.time()}, force=True)
         try:
-            self.canary = settle(canary, _policy(cfg), ctx.device)
+            self.canary = settle(canary, policy(cfg), ctx.device)
         except NumericDriftError as exc:  # the doctor reads the classes from the record of the run that stopped
-            ctx.status.update(canary=dict(exc.record, policy=_policy(cfg)), force=True)
+            ctx.status.update(canary=dict(exc.record, policy=policy(cfg)), force=True)
             raise
         finally:
             ctx.status.update(in_collective=None)
+        if self.canary.get("pinned_cuda"):  # the CUDA settings changed: record them as now in force
             self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         if ctx.cpu_kernels:
             self.canary["cpu_kernels"] = ctx.cpu_kernels
@@ -450,12 +451,6 @@ def _share(ctx: RankContext):
     return share
 
 
-def _policy(cfg: Any) -> str:
-    """``dist.heterogeneous`` as a string (warn | refuse | pin)."""
-    value = cfg.dist.get("heterogeneous", "warn")
-    return str(getattr(value, "value", value))
-
-
 def _say(ctx: RankContext, message: str) -> None:
     """A start-up progress line on the console (rank 0 only) and in this rank's log."""
     log.info(message)
@@ -497,7 +492,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     try:
         t_total = time.perf_counter()
         connect(ctx, agree_run_dir)
-        if _policy(cfg) == "pin" and ctx.board is not None:
+        if policy(cfg) == "pin" and ctx.board is not None:
             ctx.cpu_kernels = pin_cpu_kernels(ctx.board.agree)  # before the first kernel
         apply_compute_settings(ctx)
         run = RankRun(ctx)
