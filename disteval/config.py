@@ -115,6 +115,10 @@ class ModelConfig:
     driver, once) or ``shipped`` for the reference CNNs' checkpoints inside the package; null = random init.
     checkpoint: path to a plain state dict (loaded with ``torch.load(weights_only=True)``); takes
     precedence over ``weights``.
+    checkpoints: several plain state dicts of the same architecture evaluated in one job over the same batches
+    (a list of paths or glob patterns, or one pattern such as ``ckpts/epoch_*.pt``): one process start, one
+    dataset read and one decode of every batch for all; results.json ``checkpoints`` holds one block per file
+    and ``RUN_DIR/checkpoints/<name>/results.json`` each one's own results (``disteval.models.checkpoint_set``).
     num_classes: output classes; null = the dataset's class count (or the weights' categories).
     kwargs: extra keyword arguments for the model builder (e.g. image_size for a ViT).
     channels_last: convolutional models: parameters and 4-D inputs in ``torch.channels_last`` memory format
@@ -124,6 +128,7 @@ class ModelConfig:
     name: str = "digits_cnn"
     weights: Optional[str] = None
     checkpoint: Optional[str] = None
+    checkpoints: Optional[Any] = None
     num_classes: Optional[int] = None
     kwargs: Dict[str, Any] = field(default_factory=dict)
     channels_last: bool = False
@@ -569,9 +574,27 @@ class DistevalConfig:
         if self.eval.exclude_outlier_ranks and self.data.sampler != "exact":
             raise ConfigError("eval.exclude_outlier_ranks", f"needs data.sampler=exact: with {self.data.sampler} the "
                               "ranks share repeated samples, so leaving a rank out is not leaving its shard out")
+        self._check_checkpoints()
         if self.eval.exclude_outlier_ranks and "classification" not in self.eval.metrics:
             raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from per-rank top-1 accuracy: "
                               "it needs classification in eval.metrics")
+
+
+    def _check_checkpoints(self) -> None:
+        """``model.checkpoints`` with what it cannot be combined with yet (each named)."""
+        if not self.model.checkpoints:
+            return
+        clash = [(self.model.checkpoint, "model.checkpoint", "one file; model.checkpoints lists several"),
+                 (self.eval.trials > 1, "eval.trials", "repeated trials of several checkpoints"),
+                 (self.dist.parallel.enabled, "dist.parallel",
+                  "a device mesh shards one model"),
+                 (self.eval.exclude_outlier_ranks, "eval.exclude_outlier_ranks", "one local accuracy per rank"),
+                 (self.eval.save_predictions, "eval.save_predictions", "one prediction store per checkpoint"),
+                 (self.eval.ci.resamples > 0, "eval.ci.resamples", "intervals per checkpoint")]
+        for on, key, what in clash:
+            if on:
+                raise ConfigError("model.checkpoints", f"cannot be combined with {key} ({what} is not supported); "
+                                  "run one job per checkpoint for it")
 
 
 def validated(cfg: Any) -> DistevalConfig:

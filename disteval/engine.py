@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from disteval import model_set
 from disteval import precision as prec
 from disteval import report
 from disteval.bootstrap import RankContext, apply_compute_settings, connect, log, open_records
@@ -64,14 +65,8 @@ class RankRun:
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
         self.mesh = MeshRun(ctx) if dims_from_config(cfg) is not None else None  # dist.parallel: a device mesh
-        self.model = self.task.model(ctx.device)
-        if self.mesh is not None and self.model is not None:
-            self.model = parallel_model(self.model, self.mesh.groups)
-        if self.model is not None:
-            self.model = prepare_model(self.model, channels_last=bool(cfg.model.get("channels_last", False)),
-                                       compile=bool(cfg.eval.get("compile", False)),
-                                       compile_mode=str(cfg.eval.get("compile_mode", "default")),
-                                       compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
+        self.members = model_set.members_of(cfg)  # model.checkpoints: several networks on the same batches
+        self.model = self._build_model()
         self.faults = FaultPlan(ctx.rank)
         self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
         if self.faults and self.model is not None:
@@ -109,6 +104,23 @@ class RankRun:
         self.store = self._store()
         ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.logits_per_sample
         self.stats = SampleStatsHook([int(k) for k in cfg.eval.topk]) if ci_on else None
+
+    def _build_model(self) -> torch.nn.Module | None:
+        """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
+        network per ``model.checkpoints`` member; channels-last / compiled as configured; None for replays."""
+        cfg, device = self.ctx.cfg, self.ctx.device
+
+        def prepare(net: torch.nn.Module) -> torch.nn.Module:
+            return prepare_model(net, channels_last=bool(cfg.model.get("channels_last", False)),
+                                 compile=bool(cfg.eval.get("compile", False)),
+                                 compile_mode=str(cfg.eval.get("compile_mode", "default")),
+                                 compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
+        if self.members:
+            return model_set.build_models(self.task, self.members, device, prepare)
+        model = self.task.model(device)
+        if self.mesh is not None and model is not None:
+            model = parallel_model(model, self.mesh.groups)
+        return prepare(model) if model is not None else None
 
     def _store(self) -> PredictionHook | None:
         """The prediction store's hook (``eval.save_predictions=true`` for a task whose outputs
@@ -159,7 +171,7 @@ class RankRun:
     def evaluator(self) -> Evaluator:
         """A fresh evaluator of the task's metric (one per trial), its states on the model's device when the
         metric adds batches there without host synchronisation (``Metric.device_resident``)."""
-        metric = self.task.metric()
+        metric = model_set.member_metrics(self.task, self.members) if self.members else self.task.metric()
         if metric.device_resident:
             metric.to(self.ctx.device)
         return Evaluator(metric, bitwise=self.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
@@ -218,7 +230,7 @@ class RankRun:
                 inputs = as_channels_last(inputs)
             with prec.autocast(ctx.cfg.precision, ctx.device):
                 return self.task.step(model, inputs, ctx.device)
-        return step
+        return model_set.member_step(step) if self.members else step
 
     @staticmethod
     def _checkpoint_state(ev: Evaluator, progress) -> dict:
@@ -389,12 +401,27 @@ class RankRun:
                                       "seconds": max(float(r["predictions"]["seconds"]) for r in last["rows"]),
                                       "import_seconds": max(float(r["predictions"]["import_seconds"])
                                                             for r in last["rows"])}
+        if self.members:
+            return self._finish_members(results)
         write_results(ctx.run_dir, results)
         report.print_metrics(results, self.task.console_section(results["metrics"]))
         report.print_intervals(results.get("confidence_intervals"))
         report.print_warnings(results.get("warnings") or [])
         return results
 
+    def _finish_members(self, results: dict) -> dict:
+        """A job of several checkpoints: each member's results.json, the job's with ``checkpoints`` blocks
+        (``disteval.model_set``), each member's metrics on the console and the table of all."""
+        nets = self.model.members
+        results["model"]["class"] = type(next(iter(nets.values()))).__name__
+        blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
+        results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
+        write_results(self.ctx.run_dir, results)
+        report.print_checkpoint_table([b["name"] for b in blocks],
+                                      [self.task.console_section(b["metrics"]) for b in blocks])
+        report.print_metrics(dict(results, metrics={}), ([], [], []))  # the job's throughput, times, ranks
+        report.print_warnings(results.get("warnings") or [])
+        return results
 
     def _decode_errors(self, rows: list[dict]) -> dict:
         """Streamed data: ``decode_errors`` {policy, skipped, evaluated, samples ("N of M samples"), ids

@@ -13,6 +13,7 @@ from disteval.comm import external_launch_detected, resolve_backend, resolve_dev
 from disteval.config import validated
 from disteval.errors import ConfigError, RendezvousError
 from disteval.models.builders import tp_split_problems, weights_plan
+from disteval.models.checkpoint_set import expand_checkpoints, with_checkpoint
 from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
 from disteval.sync import SyncPolicy, check_sync_policy, sync_policy_notes
 from disteval.tasks import resolve_task
@@ -87,8 +88,12 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
     elif cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     check_parallel(cfg, notes)
+    # model.checkpoints: the task's checks once per file (each must load into the architecture), notes once
+    for job in [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.get("checkpoints"))] or [cfg]:
+        seen = list(notes)
+        resolve_task(job)(job).preflight(notes)
+        notes[len(seen):] = [n for n in notes[len(seen):] if n not in seen]
     task = resolve_task(cfg)(cfg)
-    task.preflight(notes)
     metric, policy = task.metric(), SyncPolicy.from_config(cfg.communication)
     check_sync_policy(metric, policy)
     notes.extend(sync_policy_notes(metric, policy))

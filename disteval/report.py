@@ -69,7 +69,9 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
     mode = results.get("mode")
     task = (results.get("task") or {}).get("name")
     cls = results["model"].get("class")
-    table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']} on "
+    member = results["model"].get("member")  # one checkpoint of a model.checkpoints job
+    table = Table(title=f"disteval{' ' + task if task else ''}: {results['model']['name']}"
+                        f"{' checkpoint ' + member if member else ''} on "
                         f"{results['dataset']['name']}",  # one short line; the details go in the caption
                   caption=f"{cls + ', ' if cls else ''}{_samples(results)}, world size "
                           f"{results['world_size']}{', ' + mode + ' mode' if mode else ''}")
@@ -171,3 +173,29 @@ def print_intervals(ci: dict | None, console: Console | None = None) -> None:
     parts = [f"{k} [{v['low']:.4f}, {v['high']:.4f}]" for k, v in ci.items() if isinstance(v, dict)]
     console.print(f"{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} samples ({ci['resamples']} "
                   f"resamples, seed {ci['seed']}): " + ", ".join(parts), soft_wrap=True, highlight=False)
+
+
+def print_checkpoint_table(names: list[str], sections: list[tuple], console: Console | None = None) -> None:
+    """The metrics of a job of several checkpoints side by side: one row per metric (the task's console rows,
+    ``Task.console_section``), one column per checkpoint in the order listed; where a row's values all read as
+    numbers and differ, the best is bold (the largest, or the smallest for losses and calibration errors)."""
+    if not names:
+        return
+    console = console or _console
+    table = Table(title=f"{len(names)} checkpoints on the same samples and batches",
+                  caption="each checkpoint's results: checkpoints/<name>/results.json in the run directory")
+    table.add_column("metric")
+    for n in names:
+        table.add_column(n, justify="right")
+    lower = ("nll", "ece", "loss", "error", "cross-entropy")
+    for i, (label, _) in enumerate(sections[0][0]):
+        cells = [sec[0][i][1] if i < len(sec[0]) else "" for sec in sections]
+        try:
+            values = [float(c.replace(",", "")) for c in cells]
+        except ValueError:
+            values = []
+        if len(set(values)) > 1:
+            best = (min if any(w in label.lower() for w in lower) else max)(values)
+            cells = [f"[bold]{c}[/]" if v == best else c for c, v in zip(cells, values)]
+        table.add_row(label, *cells)
+    console.print(table)

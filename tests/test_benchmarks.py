@@ -18,7 +18,7 @@ from conftest import REPO
 
 BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
-TABLES = {"allocator.py": "allocator policies",
+TABLES = {"allocator.py": "allocator policies", "checkpoints.py": "checkpoints in one job",
           "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
           "gather.py": "gathering float32 payloads", "heterogeneous.py": "the canary's cost", "knn.py": "sharded exact kNN", "prediction_store.py": "prediction store cost", "links.py": "links: compression",
           "model_parallel.py": "model parallelism on CPU",
@@ -27,7 +27,8 @@ TABLES = {"allocator.py": "allocator policies",
           "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
-NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py"}
+NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py",
+                 "checkpoints.py"}
 
 
 def _load(name: str):

@@ -113,3 +113,30 @@ class MetricCollection(Metric):
         for m in self.metrics.values():
             out.update(m.local_summary())
         return out
+
+
+class PerModelMetrics(MetricCollection):
+    """One metric per model of a set evaluated on the same batches (``model.checkpoints``):
+    ``PerModelMetrics({"epoch_10": m10, "epoch_20": m20})``. States are namespaced ``model.state`` (model
+    names hold no ``.``), so all models' states are synchronised in the same few collectives, each exactly as
+    its own run would synchronise it.
+
+    ``update(outputs, targets, ids)`` takes ``outputs`` as a tuple with one entry per model, in the order of
+    the dict; ``compute()`` returns ``{model: metrics}``. Raises ValueError when the tuple's length differs."""
+
+    def update(self, outputs, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        """Model i's metric gets ``outputs[i]`` with the shared targets and ids."""
+        if not isinstance(outputs, (tuple, list)) or len(outputs) != len(self.metrics):
+            raise ValueError(f"expected a tuple of {len(self.metrics)} outputs (one per model), got "
+                             f"{type(outputs).__name__}{'' if not isinstance(outputs, (tuple, list)) else len(outputs)}")
+        for m, out in zip(self.metrics.values(), outputs):
+            m.update(out, targets, sample_ids)
+
+    def compute(self) -> dict:
+        """``{model: that model's metrics}``."""
+        return {name: m.compute() for name, m in self.metrics.items()}
+
+    def local_summary(self) -> dict:
+        """{} (a rank's local accuracy is one per model: the outlier check, which compares ranks by one
+        accuracy, does not apply)."""
+        return {}

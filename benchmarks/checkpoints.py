@@ -1,0 +1,112 @@
+"""Several checkpoints in one job against one job per checkpoint: Fashion-MNIST, three small CNNs (the shipped
+weights and two seeded perturbations), W=2 by default.
+
+    python benchmarks/checkpoints.py [--repeats 3] [--world-size 2] [--smoke]
+
+Each measurement is the wall time of a real ``python -m disteval`` process from its start to its exit (what a
+user waits for: imports, rank start-up, data, model, forward, sync): one job with
+``model.checkpoints=[a,b,c]`` against three jobs with ``model.checkpoint=a``, ``b``, ``c`` run one after the
+other. Target (issue 28): the one job takes >= 1.5x less wall time. Checked (exit 1 naming the mismatch, never on
+a time): every run completes and each checkpoint's metrics in the one job are == its own job's.
+
+``--smoke``: one repeat. Needs Fashion-MNIST (apt-get install dataset-fashion-mnist).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import _summary  # noqa: E402
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "fashion_cnn.pt"
+
+
+def make_checkpoints(folder: Path) -> list[Path]:
+    """The shipped Fashion-MNIST CNN and two seeded perturbations of its weights (std 2 % and 5 % of each
+    tensor's), saved as plain state dicts."""
+    state = torch.load(SHIPPED, weights_only=True)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, std in enumerate((0.0, 0.02, 0.05)):
+        noisy = {k: v + torch.randn(v.shape, generator=gen) * std * v.float().std() if v.is_floating_point()
+                 and v.dim() > 0 and "running" not in k else v for k, v in state.items()}
+        out.append(folder / f"epoch_{i}.pt")
+        torch.save(noisy, out[-1])
+    return out
+
+
+def run(work: Path, name: str, overrides: list[str]) -> tuple[dict, float]:
+    """(results.json, wall seconds of the process) of one job. Raises RuntimeError with its stderr on failure."""
+    env = {k: v for k, v in os.environ.items() if k != "DISTEVAL_FAULTS"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "disteval", f"hydra.run.dir={work / name}", "eval.progress=false",
+                           "+experiment=fashion_mnist", *overrides], env=env, cwd=work, capture_output=True,
+                          text=True, timeout=900)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads((work / name / "results.json").read_text()), seconds
+
+
+def measure(work: Path, ckpts: list[Path], world: int, repeats: int) -> tuple[list, list, list[str]]:
+    """Interleaved repeats (a drift of the machine's speed hits both): ([one job's seconds], [the separate
+    jobs' summed seconds], problems)."""
+    joint, separate, problems = [], [], []
+    listed = "[" + ",".join(str(c) for c in ckpts) + "]"
+    for i in range(repeats):
+        res, seconds = run(work, f"set_{i}", [f"model.checkpoints={listed}", f"dist.world_size={world}"])
+        joint.append(seconds)
+        total = 0.0
+        for c in ckpts:
+            own, s = run(work, f"{c.stem}_{i}", [f"model.checkpoint={c}", f"dist.world_size={world}"])
+            total += s
+            if res["metrics"][c.stem] != own["metrics"]:
+                problems.append(f"{c.stem}: its metrics in the one job differ from its own job's")
+        separate.append(total)
+    return joint, separate, problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one repeat")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks of every job")
+    args = parser.parse_args()
+    console = Console()
+    if not any(FASHION.glob("t10k-*")):
+        console.print(f"Fashion-MNIST not found at {FASHION}: nothing measured")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="disteval-ckpts-") as tmp:
+        ckpts = make_checkpoints(Path(tmp))
+        joint, separate, problems = measure(Path(tmp), ckpts, args.world_size, 1 if args.smoke else args.repeats)
+    one, three = statistics.median(joint), statistics.median(separate)
+    table = Table(title=f"checkpoints in one job (Fashion-MNIST, 3 CNNs, W={args.world_size}, median wall s)")
+    for col in ("how", "wall s", "per checkpoint s", "speed-up"):
+        table.add_column(col, justify="left" if col == "how" else "right")
+    table.add_row("one job, model.checkpoints=[a,b,c]", f"{one:.2f}", f"{one / 3:.2f}", f"{three / one:.2f}x")
+    table.add_row("three jobs, model.checkpoint=a|b|c", f"{three:.2f}", f"{three / 3:.2f}", "1.00x")
+    console.print(table)
+    ratio = three / one
+    console.print(f"target: >= 1.5x less wall time in one job: {ratio:.2f}x ({'met' if ratio >= 1.5 else 'NOT met'}"
+                  f"{', smoke: one repeat' if args.smoke else ''})")
+    rows = [_summary.row(f"3 checkpoints in one job vs 3 jobs, fashion-mnist W={args.world_size}: wall time",
+                         f"{one:.2f} s", f"{three:.2f} s", one / three)]
+    return _summary.finish("checkpoints", rows, problems, args.smoke, console)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""A job of several checkpoints (``model.checkpoints``) on the engine's side: each network built by the task
+from its own file, one step per network on the same batch, one metric per network, and at the end one
+results block per checkpoint (``RUN_DIR/checkpoints/<name>/results.json``) and a table.
+
+The metrics of each checkpoint are the bits its own job gives: the loop, the shards, the batches and the
+synchronisation are those of a one-checkpoint job, and each network's states are its own
+(``disteval.metrics.collection.PerModelMetrics``)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from disteval.errors import ConfigError
+from disteval.metrics.collection import PerModelMetrics
+from disteval.models.checkpoint_set import Member, ModelSet, expand_checkpoints, with_checkpoint
+from disteval.records import atomic_write_json
+from disteval.tasks.base import Task
+
+RESULTS_DIR = "checkpoints"
+
+
+def members_of(cfg: Any) -> list[Member]:
+    """The checkpoint set of the job (``model.checkpoints`` expanded), [] for a one-model job."""
+    return expand_checkpoints(cfg.model.get("checkpoints"))
+
+
+def build_models(task: Task, members: list[Member], device: torch.device,
+                 prepare: Callable[[torch.nn.Module], torch.nn.Module]) -> ModelSet:
+    """Each member's network as the task builds it from the job config with ``model.checkpoint`` set to the
+    member's file, passed through ``prepare`` (channels-last, compile), in a ``ModelSet``. Raises ConfigError
+    for a task without a model (replayed predictions) and what ``Task.model`` raises (CheckpointError naming
+    the file)."""
+    base, models = task.cfg, {}
+    for m in members:
+        task.cfg = with_checkpoint(base, m.path)
+        try:
+            net = task.model(device)
+        finally:
+            task.cfg = base
+        if net is None:
+            raise ConfigError("model.checkpoints", f"task {task.name} evaluates saved predictions, not a model")
+        models[m.name] = prepare(net)
+    return ModelSet(models)
+
+
+def member_step(step: Callable[[Any, Any], Any]) -> Callable[[ModelSet, Any], tuple]:
+    """The engine's per-batch ``step(model, inputs)`` applied to each network of the set, in order: a tuple
+    of outputs for ``PerModelMetrics``."""
+    return lambda models, inputs: tuple(step(net, inputs) for net in models.members.values())
+
+
+def member_metrics(task: Task, members: list[Member]) -> PerModelMetrics:
+    """A fresh metric of the task for each member, by member name."""
+    return PerModelMetrics({m.name: task.metric() for m in members})
+
+
+def write_member_results(results: dict, members: list[Member], digests: dict[str, str | None]) -> list[dict]:
+    """One results.json per member under ``RUN_DIR/checkpoints/<name>/`` (atomic): the job's record with that
+    member's metrics and checkpoint, so that ``diagnostics compare`` and ``sweep`` read it as a one-checkpoint
+    run (``checkpoint_set`` names the job it shared). Returns the job's ``checkpoints`` blocks [{name, path,
+    weights_digest, metrics, results}] in the order listed, each with its record under ``own`` (for the
+    console; drop it before writing the job's results.json, whose ``metrics`` stay ``{name: metrics}``)."""
+    run_dir, blocks = Path(results["run_dir"]), []
+    for m in members:
+        rel = Path(RESULTS_DIR) / m.name / "results.json"
+        own = dict(results, metrics=results["metrics"][m.name],
+                   model=dict(results["model"], checkpoint=m.path, member=m.name, weights_digest=digests.get(m.name)),
+                   checkpoint_set={"job": "../../results.json", "members": [x.name for x in members]})
+        atomic_write_json(run_dir / rel, own)
+        blocks.append({"name": m.name, "path": m.path, "weights_digest": digests.get(m.name),
+                       "metrics": results["metrics"][m.name], "results": str(rel), "own": own})
+    return blocks

@@ -1,0 +1,111 @@
+"""Several checkpoints in one job (``model.checkpoints``), with real ranks: each checkpoint's metrics ``==`` the
+metrics of its own one-checkpoint job (at another world size: bitwise mode), the per-checkpoint results files,
+and bad sets refused before any rank starts, naming the key or the file."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_results, run_disteval
+from disteval.config import validated
+from disteval.errors import ConfigError
+from disteval.metrics.classification import ClassificationMetrics
+from disteval.metrics.collection import PerModelMetrics
+from disteval.models.checkpoint_set import expand_checkpoints
+
+SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "digits_cnn.pt"
+JOB = ("+experiment=digits", "eval.progress=false")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[Path]:
+    """Three digits CNNs: the shipped weights and two seeded perturbations of them (different metrics)."""
+    base = tmp_path_factory.mktemp("ckpts")
+    state = torch.load(SHIPPED, weights_only=True)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, std in enumerate((0.0, 0.3, 0.6)):
+        noisy = {k: v + torch.randn(v.shape, generator=gen) * std * v.float().std() if v.is_floating_point()
+                 and v.dim() > 0 and "running" not in k else v for k, v in state.items()}
+        path = base / f"step_{i}.pt"
+        torch.save(noisy, path)
+        out.append(path)
+    return out
+
+
+def test_each_checkpoint_equals_its_own_job(checkpoints, tmp_path):
+    pattern = str(checkpoints[0].parent / "step_*.pt")
+    proc = run_disteval(*JOB, f"model.checkpoints={pattern}", "dist.world_size=2", run_dir=tmp_path / "set")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = load_results(tmp_path / "set")
+    names = [b["name"] for b in job["checkpoints"]]
+    assert names == ["step_0", "step_1", "step_2"] and list(job["metrics"]) == names
+    assert "3 checkpoints on the same samples and batches" in proc.stdout
+    for path, block in zip(checkpoints, job["checkpoints"]):
+        own_dir = tmp_path / f"own_{path.stem}"
+        one = run_disteval(*JOB, f"model.checkpoint={path}", "dist.world_size=1", run_dir=own_dir)
+        assert one.returncode == 0, one.stderr[-3000:]
+        own = load_results(own_dir)
+        assert block["metrics"] == own["metrics"] == job["metrics"][block["name"]]
+        assert block["path"] == str(path)
+        member = json.loads((tmp_path / "set" / block["results"]).read_text())
+        assert member["metrics"] == own["metrics"] and member["model"]["checkpoint"] == str(path)
+    # the three networks really differ (a set that forwarded one network three times would fail here)
+    assert len({b["weights_digest"] for b in job["checkpoints"]}) == 3
+    assert len({b["metrics"]["nll"] for b in job["checkpoints"]}) == 3
+    # one sync for all: the collectives of a one-checkpoint job at the same world size
+    single = run_disteval(*JOB, f"model.checkpoint={checkpoints[0]}", "dist.world_size=2", run_dir=tmp_path / "w2")
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert job["comm"]["collectives"] == load_results(tmp_path / "w2")["comm"]["collectives"]
+
+
+def test_a_checkpoint_that_does_not_fit_is_named_before_ranks_start(checkpoints, tmp_path):
+    bad = tmp_path / "wrong.pt"
+    torch.save({"features.0.weight": torch.zeros(3, 3)}, bad)
+    proc = run_disteval(*JOB, f"model.checkpoints=[{checkpoints[0]},{bad}]", "dist.world_size=2",
+                        run_dir=tmp_path / "bad")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert str(bad) in proc.stderr and not (tmp_path / "bad" / "ranks").exists()
+    assert not (tmp_path / "bad" / "results.json").exists()
+
+
+def test_sets_that_cannot_be_expanded_or_combined_are_refused(checkpoints, tmp_path):
+    folder = checkpoints[0].parent
+    members = expand_checkpoints([str(checkpoints[2]), str(folder / "step_[01].pt")])
+    assert [m.name for m in members] == ["step_2", "step_0", "step_1"]  # listed order, a pattern's files sorted
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    same_stem = [tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt"]
+    for p in same_stem:
+        p.write_bytes(b"x")
+    assert [m.name for m in expand_checkpoints([str(p) for p in same_stem])] == ["a_last", "b_last"]
+    cases = {"matches no file": str(folder / "epoch_*.pt"), "does not exist": [str(checkpoints[0]), "/nope.pt"],
+             "listed more than once": [str(checkpoints[0]), str(checkpoints[0])],
+             "use model.checkpoint for a single file": [str(checkpoints[0])]}
+    for message, spec in cases.items():
+        with pytest.raises(ConfigError, match=message) as info:
+            expand_checkpoints(spec)
+        assert info.value.key == "model.checkpoints"
+    two = [str(checkpoints[0]), str(checkpoints[1])]
+    for key, value in {"eval.save_predictions": True, "eval.trials": 2, "model.checkpoint": str(checkpoints[0]),
+                       "eval.ci.resamples": 100, "eval.exclude_outlier_ranks": True}.items():
+        group, _, leaf = key.rpartition(".")
+        cfg = {"model": {"checkpoints": two}, "eval": {}}
+        node = cfg
+        for part in group.split("."):
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validated(cfg)
+
+
+def test_per_model_metrics_route_one_output_per_model():
+    metrics = PerModelMetrics({"a": ClassificationMetrics(3, topk=(1,)), "b": ClassificationMetrics(3, topk=(1,))})
+    logits = torch.eye(3, dtype=torch.float32)
+    targets, ids = torch.tensor([0, 1, 2]), torch.arange(3)
+    metrics.update((logits, logits.flip(0)), targets, ids)
+    out = metrics.compute()
+    assert out["a"]["top1"] == 1.0 and out["b"]["top1"] == 1 / 3
+    assert set(metrics.states()) == {f"{m}.{s}" for m in "ab" for s in ClassificationMetrics(3, topk=(1,)).states()}
+    with pytest.raises(ValueError, match="a tuple of 2 outputs"):
+        metrics.update(logits, targets, ids)
