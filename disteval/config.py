@@ -469,20 +469,24 @@ class CIConfig:
 
 @dataclass
 class PredictionsConfig:
-    """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample for classification
-    (``disteval.data.prediction_store``: RUN_DIR/predictions/rank{r}.parquet and _manifest.json): the ``topk``
-    classes and their softmax probabilities; ``logits``: the full logits too (re-scoring,
-    ``python -m disteval.rescore``, needs them)."""
+    """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample
+    (RUN_DIR/predictions/rank{r}.parquet and _manifest.json; columns per task in
+    ``disteval.data.prediction_columns``). Classification: the ``topk`` classes and their softmax probabilities;
+    ``logits``: the full logits too (re-scoring, ``python -m disteval.rescore``, needs them). Detection: each
+    image's boxes, scores and labels. Segmentation: each image's confusion counts; ``label_maps``: its predicted
+    label map too. Embeddings: each sample's embedding."""
 
     topk: int = 5
     logits: bool = False
+    label_maps: bool = False
 
 
 @dataclass
 class EvalConfig:
     """``eval.*``: metric families and their options (classification, ranking; coco for detection data).
-    iou_type: bbox | segm (coco). save_predictions: each rank also writes its detections as a COCO results
-    file RUN_DIR/ranks/rank{r}/predictions.json. topk: the k of top-k accuracy. ece_bins: equal-width
+    iou_type: bbox | segm (coco). save_predictions: each rank writes its samples' predictions as Parquet
+    (RUN_DIR/predictions/, see ``PredictionsConfig``); detection also as a COCO results file
+    RUN_DIR/ranks/rank{r}/predictions.json. topk: the k of top-k accuracy. ece_bins: equal-width
     confidence bins of the expected calibration error. trials: evaluate the dataset this many times; when the
     trials disagree, each scalar metric is their ``trial_aggregate`` (mean | median | sigma_clip: the mean of
     trials within clip_sigma * 1.4826 * MAD of the median), see ``disteval.metrics.robust``. outlier_z: per-rank

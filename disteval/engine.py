@@ -123,13 +123,12 @@ class RankRun:
         return prepare(model) if model is not None else None
 
     def _store(self) -> PredictionHook | None:
-        """The prediction store's hook (``eval.save_predictions=true`` for a task whose outputs
-        are logits per sample, ``Task.logits_per_sample``), else None."""
-        cfg = self.ctx.cfg
-        if not cfg.eval.get("save_predictions") or not self.task.logits_per_sample:
+        """The prediction store's hook (``eval.save_predictions=true`` for a task with a store schema,
+        ``Task.prediction_schema``), else None."""
+        schema = self.task.prediction_schema() if self.ctx.cfg.eval.get("save_predictions") else None
+        if schema is None:
             return None
-        return PredictionHook(self.ctx.run_dir, self.ctx.rank, int(cfg.eval.predictions.topk),
-                              bool(cfg.eval.predictions.logits))
+        return PredictionHook(self.ctx.run_dir, self.ctx.rank, schema, self.task.prediction_columns)
 
     def check_canary(self) -> dict:
         """The canary before the loop (``disteval.canary``): the dataset's first ``dist.canary_samples`` samples
@@ -394,8 +393,9 @@ class RankRun:
             **self._decode_errors(last["rows"])})
         if self.store is not None:
             path = write_manifest(ctx.run_dir, cfg, {
-                "task": self.task.name, "num_samples": len(self.dataset), "num_classes": self.task.num_classes,
-                "weights_digest": weights_digest(self.model)}, [r["predictions"] for r in last["rows"]])
+                "task": self.task.name, "num_samples": len(self.dataset),
+                "num_classes": getattr(self.task, "num_classes", None), "weights_digest": weights_digest(self.model),
+                "columns": [f"{f.name}: {f.type}" for f in self.store.schema]}, [r["predictions"] for r in last["rows"]])
             results["predictions"] = {"manifest": str(path.relative_to(ctx.run_dir)),
                                       "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"]),
                                       "seconds": max(float(r["predictions"]["seconds"]) for r in last["rows"]),

@@ -9,13 +9,13 @@ import hashlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from disteval.data.prediction_store import (MANIFEST, SCHEMA_VERSION, classification_columns, classification_table,
-                                            file_sha256, preprocessing_digest)
+from disteval.data.prediction_columns import build_table
+from disteval.data.prediction_store import MANIFEST, SCHEMA_VERSION, file_sha256, preprocessing_digest
 from disteval.loop import LoopHook
 from disteval.metrics.bootstrap import per_sample
 from disteval.records import atomic_write_json
@@ -24,25 +24,23 @@ STORE_DIR = "predictions"
 
 
 class PredictionHook(LoopHook):
-    """One rank's predictions: ``after_outputs`` turns each batch into a RecordBatch (top-``topk`` ids and
-    probabilities, the logits with ``logits``), ``after_loop`` writes them as one Parquet file and keeps its
-    manifest entry in ``entry`` {rank, path, rows, sha256}."""
+    """One rank's predictions: ``after_outputs`` turns each batch into columns with the task's ``columns``
+    (``Task.prediction_columns``), ``after_loop`` writes them in ``schema`` (``Task.prediction_schema``) as one
+    Parquet file and keeps its manifest entry in ``entry`` {rank, path, rows, sha256, seconds, import_seconds}."""
 
-    def __init__(self, run_dir: str, rank: int, topk: int, logits: bool):
+    def __init__(self, run_dir: str, rank: int, schema: Any, columns: Callable[[Any, Any, torch.Tensor], dict]):
         self.path = Path(run_dir) / STORE_DIR / f"rank{rank}.parquet"
-        self.rank, self.topk, self.logits = rank, topk, logits
+        self.rank, self.schema, self.columns = rank, schema, columns
         self.batches: list = []
         self.entry: dict | None = None
         self.seconds = 0.0  # spent converting batches and writing the file (the store's own cost)
-        self.num_classes = 1  # from the first batch (an empty shard writes an empty table)
         t0 = time.perf_counter()
         import pyarrow.parquet  # noqa: F401 - once, before the loop (about 35 ms), reported apart from the work
         self.import_seconds = time.perf_counter() - t0
 
     def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.batches.append(classification_columns(outputs, targets, ids, self.topk, self.logits))
-        self.num_classes = int(outputs.shape[1])
+        self.batches.append(self.columns(outputs, targets, ids))
         self.seconds += time.perf_counter() - t0
 
     def after_loop(self, progress: Any) -> None:
@@ -50,7 +48,7 @@ class PredictionHook(LoopHook):
 
         t0 = time.perf_counter()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        table = classification_table(self.batches, self.topk, self.logits, self.num_classes)
+        table = build_table(self.batches, self.schema)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             pq.write_table(table, tmp)
@@ -91,7 +89,8 @@ def weights_digest(model: torch.nn.Module | None) -> str | None:
 
 
 def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) -> Path:
-    """RUN_DIR/predictions/_manifest.json (atomic): ``identity`` {task, num_samples, num_classes, weights_digest}
+    """RUN_DIR/predictions/_manifest.json (atomic): ``identity`` {task, num_samples, num_classes, weights_digest,
+    columns (the schema's fields as ``name: type``)}
     from the run, the model and data settings from ``cfg``, ``entries`` the ranks' files in rank order."""
     model, data = cfg.model, cfg.data
     manifest = {
@@ -104,7 +103,7 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
                      "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
                      "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
                      "metrics": [str(m) for m in cfg.eval.metrics], "eval_topk": [int(k) for k in cfg.eval.topk]},
-        "files": sorted(entries, key=lambda e: e["rank"]),
+        "columns": identity.get("columns"), "files": sorted(entries, key=lambda e: e["rank"]),
     }
     path = Path(run_dir) / STORE_DIR / MANIFEST
     atomic_write_json(path, manifest)

@@ -158,3 +158,77 @@ def test_paired_significance_between_two_checkpoints(stores, tmp_path):
                               "--significance"], capture_output=True, text=True, timeout=300)
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2 and "10 only in A (ids [9990, 9991" in said, said[-2000:]
+
+
+def _table(run_dir: Path):
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((run_dir / "predictions" / "_manifest.json").read_text())
+    table = pq.read_table(run_dir / "predictions").sort_by("sample_id")
+    assert table.num_rows == sum(f["rows"] for f in manifest["files"]) == manifest["data"]["num_samples"]
+    assert [c.split(":")[0] for c in manifest["columns"]] == table.schema.names
+    return table
+
+
+def test_detection_store_holds_each_images_detections(tmp_path):
+    """A COCO replay at W=2: one row per image with the results file's boxes (xywh -> xyxy), scores and
+    category ids, compared per image with the file read by json and numpy."""
+    from disteval.data.coco_synthetic import make_synthetic_coco
+
+    gt, dt = make_synthetic_coco(tmp_path, num_images=40, num_categories=5, dets_per_image=9, seed=4)
+    proc = run_disteval("+experiment=coco_replay", f"data.annotations={gt}", f"data.predictions={dt}",
+                        "dist.world_size=2", "data.batch_size=8", "eval.save_predictions=true", "eval.progress=false",
+                        run_dir=tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = _table(tmp_path / "run")
+    images = sorted(im["id"] for im in json.loads(gt.read_text())["images"])
+    assert table.column("image_id").to_pylist() == images  # sample i is the i-th image id, sorted
+    want: dict[int, list] = {}
+    for d in json.loads(dt.read_text()):
+        want.setdefault(d["image_id"], []).append(d)
+    for row in table.to_pylist():
+        dets = want.get(row["image_id"], [])
+        xywh = np.array([d["bbox"] for d in dets], dtype=np.float32).reshape(-1, 4)
+        xyxy = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
+        got = np.array(row["boxes"], dtype=np.float32).reshape(-1, 4)
+        key = lambda b, s, c: sorted(zip(np.float32(s).tolist(), list(c), b.tolist()))  # noqa: E731
+        assert key(got, row["scores"], row["labels"]) == key(xyxy, [d["score"] for d in dets],
+                                                              [d["category_id"] for d in dets])
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "coco").is_dir(),
+                    reason="../shared/data/coco (the shared COCO files) not present")
+def test_segmentation_store_sums_to_the_runs_confusion(tmp_path):
+    """The COCO semantic-segmentation replay at W=2 with label maps: the images' confusion counts summed give
+    the run's pixel accuracy (==) and mIoU (numpy, to 1e-12); each stored map has its image's size and the
+    counts of its row are the map's pixels that are not ignored."""
+    shared = str(Path(__file__).resolve().parent.parent.parent / "shared")
+    proc = run_disteval("+experiment=coco_semseg_replay", "dist.world_size=2", "eval.save_predictions=true",
+                        "eval.predictions.label_maps=true", "eval.progress=false", run_dir=tmp_path / "seg",
+                        env={"DISTEVAL_SHARED": shared})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table, metrics = _table(tmp_path / "seg"), load_results(tmp_path / "seg")["metrics"]
+    c = metrics["num_classes"]
+    conf = np.stack(table.column("confusion").to_numpy(zero_copy_only=False)).astype(np.int64)
+    total = conf.sum(0).reshape(c, c)
+    assert int(total.sum()) == metrics["num_pixels"]
+    assert np.trace(total) / total.sum() == metrics["pixel_accuracy"]
+    tp, union = np.diag(total).astype(np.float64), total.sum(0) + total.sum(1) - np.diag(total)
+    assert abs(np.mean(tp[union > 0] / union[union > 0]) - metrics["mIoU"]) < 1e-12
+    for row in table.slice(0, 5).to_pylist():
+        assert len(row["label_map"]) == row["height"] * row["width"] >= sum(row["confusion"]) > 0
+
+
+def test_embedding_store_is_the_same_at_every_world_size(tmp_path):
+    """kNN on the Fashion-MNIST CNN's features (2,000 gallery + 300 queries): the stores written at W=1 and W=2
+    are equal as tables (ids, targets, every embedding's bits), one L2-normalised 128-d row per item."""
+    tables = []
+    for w in (1, 2):
+        proc = run_disteval("+experiment=fashion_mnist_knn", "eval.embedding.gallery_limit=2000",
+                            "eval.embedding.query_limit=300", "eval.embedding.knn_k=[10]", f"dist.world_size={w}",
+                            "eval.save_predictions=true", "eval.progress=false", run_dir=tmp_path / f"w{w}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        tables.append(_table(tmp_path / f"w{w}"))
+    assert tables[0].equals(tables[1]) and tables[0].num_rows == 2300
+    emb = np.stack(tables[0].column("embedding").to_numpy(zero_copy_only=False))
+    assert emb.shape == (2300, 128) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-6)

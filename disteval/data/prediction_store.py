@@ -47,21 +47,6 @@ def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: to
     return cols
 
 
-def classification_table(parts: list[dict[str, np.ndarray]], topk: int, logits: bool, num_classes: int):
-    """The pyarrow Table of a rank's batches (``classification_columns``), fixed-size list columns for the
-    per-sample vectors; an empty table of the same schema without batches."""
-    import pyarrow as pa
-
-    if not parts:
-        parts = [classification_columns(torch.zeros(0, max(num_classes, 1)), torch.zeros(0, dtype=torch.int64),
-                                         torch.zeros(0, dtype=torch.int64), topk, logits)]
-    cols = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-    table = {}
-    for name, a in cols.items():
-        table[name] = pa.FixedSizeListArray.from_arrays(pa.array(a.ravel()), a.shape[1]) if a.ndim == 2 else pa.array(a)
-    return pa.table(table)
-
-
 def preprocessing_digest(data_cfg: Any) -> str:
     """sha256 of the data settings in ``PREPROCESSING_KEYS`` (canonical JSON): equal for the same images
     prepared the same way, wherever their root is."""

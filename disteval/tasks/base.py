@@ -81,6 +81,18 @@ class Task(abc.ABC):
         Every collective runs under the communication timeout and is counted in results.json ``comm``; ranks
         must issue the same collectives in the same order (ranks without samples too). Default: nothing."""
 
+    def prediction_schema(self) -> Any:
+        """The pyarrow schema of this task's prediction store (``eval.save_predictions=true``; builders in
+        ``disteval.data.prediction_columns``), called after ``dataset()`` and ``model()``; None (the default):
+        the task keeps no Parquet store."""
+        return None
+
+    def prediction_columns(self, outputs: Any, targets: Any, ids: torch.Tensor) -> dict[str, Any]:
+        """One batch's store columns (numpy arrays or lists of per-sample arrays, in ``prediction_schema``'s
+        fields) from the step's outputs, the targets and the global sample ids int64 [B]. Called only when
+        ``prediction_schema`` is not None."""
+        raise NotImplementedError(f"{type(self).__name__} declares a prediction schema but no columns")
+
     def describe(self) -> dict:
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}

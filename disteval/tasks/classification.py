@@ -8,7 +8,8 @@ import torch
 
 from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape,
                                     prepare_data)
-from disteval.data.prediction_store import load_store, read_manifest
+from disteval.data.prediction_columns import classification_schema
+from disteval.data.prediction_store import classification_columns, load_store, read_manifest
 from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
@@ -104,6 +105,19 @@ class ClassificationTask(Task):
                          "average over all classes (classes without samples count as 0, scikit-learn's "
                          "labels=range(C), zero_division=0)")
         return rows, [], notes
+
+
+    def prediction_schema(self):
+        """Top-k ids and probabilities (``eval.predictions.topk``), the logits with ``eval.predictions.logits``
+        (``disteval.data.prediction_columns.classification_schema``); None for a store being re-scored."""
+        if not self.logits_per_sample:
+            return None
+        p = self.cfg.eval.predictions
+        return classification_schema(int(p.topk), bool(p.logits), self.num_classes)
+
+    def prediction_columns(self, outputs, targets, ids):
+        p = self.cfg.eval.predictions
+        return classification_columns(outputs, targets, ids, int(p.topk), bool(p.logits))
 
 
 @register_task

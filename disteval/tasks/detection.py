@@ -12,6 +12,7 @@ import torch
 from disteval.data.coco import load_detections, load_ground_truth
 from disteval.data.coco_wire import load_detections_shared
 from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
+from disteval.data.prediction_columns import detection_columns, detection_schema
 from disteval.errors import ConfigError
 from disteval.metrics.detection import CocoDetectionMetric
 from disteval.models.builders import prefetch_torchvision_weights
@@ -55,6 +56,14 @@ class _CocoTask(Task):
         if list(cfg.eval.metrics) != ["coco"]:
             raise ConfigError("eval.metrics", f"detection data takes eval.metrics=[coco], got {list(cfg.eval.metrics)}")
         self.gt  # parsed here so that a bad entry fails before any rank starts
+
+    def prediction_schema(self):
+        """Each image's boxes (xyxy), scores and category ids (``prediction_columns.detection_schema``)."""
+        return detection_schema()
+
+    def prediction_columns(self, outputs, targets, ids):
+        """``targets`` are image indices into the annotation file's sorted image ids."""
+        return detection_columns(outputs, self.gt.image_ids[torch.as_tensor(targets).long().cpu().numpy()], ids)
 
     def metric(self) -> CocoDetectionMetric:
         return CocoDetectionMetric(self.gt, self.cfg.eval.iou_type, keep_predictions=bool(self.cfg.eval.save_predictions))

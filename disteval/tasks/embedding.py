@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
+from disteval.data.prediction_columns import classification_schema, embedding_columns, embedding_schema
+from disteval.data.prediction_store import classification_columns
 from disteval.common.formatting import fmt
 from disteval.common.topk import Rows, SearchSpec
 from disteval.data.datasets import IndexedDataset, build_dataset, check_data_root
@@ -188,6 +190,20 @@ class EmbeddingTask(Task):
         if self.protocol == "zero_shot":
             return emb @ self._classifier.t()
         return emb
+
+    def prediction_schema(self):
+        """Each sample's embedding (kNN, retrieval) or, zero-shot, the classification store's columns of its
+        class scores (``disteval.data.prediction_columns``)."""
+        p = self.cfg.eval.predictions
+        if self.protocol == "zero_shot":
+            return classification_schema(int(p.topk), bool(p.logits), self.num_classes)
+        return embedding_schema(self.dim)
+
+    def prediction_columns(self, outputs, targets, ids):
+        p = self.cfg.eval.predictions
+        if self.protocol == "zero_shot":
+            return classification_columns(outputs, targets, ids, int(p.topk), bool(p.logits))
+        return embedding_columns(outputs, targets, ids)
 
     def metric(self):
         if self.protocol == "zero_shot":

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from disteval.data.prediction_columns import segmentation_columns, segmentation_schema
 from disteval.common.formatting import fmt
 from disteval.data.coco import load_detections, load_ground_truth
 from disteval.data.semseg import (CocoSemanticLabels, PaintedPredictions, PngMaps, ReplayMaps, VocFolder,
@@ -41,6 +42,15 @@ class _SegmentationTask(Task):
         if list(self.cfg.eval.metrics) != ["segmentation"]:
             raise ConfigError("eval.metrics", f"segmentation data takes eval.metrics=[segmentation], got "
                               f"{list(self.cfg.eval.metrics)}")
+
+    def prediction_schema(self):
+        """Each image's confusion counts [C*C], its predicted map with ``eval.predictions.label_maps``
+        (``prediction_columns.segmentation_schema``)."""
+        return segmentation_schema(self.num_classes, bool(self.cfg.eval.predictions.label_maps))
+
+    def prediction_columns(self, outputs, targets, ids):
+        return segmentation_columns(outputs, targets, ids, self.num_classes, self.cfg.eval.get("ignore_index", 255),
+                                    bool(self.cfg.eval.predictions.label_maps))
 
     def metric(self) -> SegmentationMetrics:
         return SegmentationMetrics(self.num_classes, self.cfg.eval.get("ignore_index", 255),
