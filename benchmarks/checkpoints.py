@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import _summary  # noqa: E402
+from disteval.testing.checkpoints import perturbed_checkpoints  # noqa: E402
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "fashion_cnn.pt"
@@ -38,15 +38,7 @@ SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "chec
 def make_checkpoints(folder: Path) -> list[Path]:
     """The shipped Fashion-MNIST CNN and two seeded perturbations of its weights (std 2 % and 5 % of each
     tensor's), saved as plain state dicts."""
-    state = torch.load(SHIPPED, weights_only=True)
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, std in enumerate((0.0, 0.02, 0.05)):
-        noisy = {k: v + torch.randn(v.shape, generator=gen) * std * v.float().std() if v.is_floating_point()
-                 and v.dim() > 0 and "running" not in k else v for k, v in state.items()}
-        out.append(folder / f"epoch_{i}.pt")
-        torch.save(noisy, out[-1])
-    return out
+    return perturbed_checkpoints(SHIPPED, folder, (0.0, 0.02, 0.05), "epoch")
 
 
 def run(work: Path, name: str, overrides: list[str]) -> tuple[dict, float]:

@@ -13,6 +13,7 @@ from disteval.errors import ConfigError
 from disteval.metrics.classification import ClassificationMetrics
 from disteval.metrics.collection import PerModelMetrics
 from disteval.models.checkpoint_set import expand_checkpoints
+from disteval.testing.checkpoints import perturbed_checkpoints
 
 SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "digits_cnn.pt"
 JOB = ("+experiment=digits", "eval.progress=false")
@@ -21,17 +22,7 @@ JOB = ("+experiment=digits", "eval.progress=false")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> list[Path]:
     """Three digits CNNs: the shipped weights and two seeded perturbations of them (different metrics)."""
-    base = tmp_path_factory.mktemp("ckpts")
-    state = torch.load(SHIPPED, weights_only=True)
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, std in enumerate((0.0, 0.3, 0.6)):
-        noisy = {k: v + torch.randn(v.shape, generator=gen) * std * v.float().std() if v.is_floating_point()
-                 and v.dim() > 0 and "running" not in k else v for k, v in state.items()}
-        path = base / f"step_{i}.pt"
-        torch.save(noisy, path)
-        out.append(path)
-    return out
+    return perturbed_checkpoints(SHIPPED, tmp_path_factory.mktemp("ckpts"), (0.0, 0.3, 0.6), "step")
 
 
 def test_each_checkpoint_equals_its_own_job(checkpoints, tmp_path):
