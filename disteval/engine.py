@@ -40,7 +40,7 @@ from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
-from disteval.metrics.bootstrap import intervals
+from disteval.metrics.bootstrap import SampleColumns, intervals
 from disteval.predictions import PredictionHook, SampleStatsHook, weights_digest, write_manifest
 from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
                               write_results)
@@ -50,6 +50,8 @@ from disteval.tasks import resolve_task
 from disteval.watchdog import Watchdog, beat_interval, parent_to_watch, record_driver_death
 
 __all__ = ["PeerFailedError", "RankRun", "run_rank", "worker_entry"]
+
+CI_PROBS_MAX_CLASSES = 100  # eval.ci: the AUROC interval gathers N x C probabilities to rank 0
 
 
 class RankRun:
@@ -103,7 +105,7 @@ class RankRun:
         self.canary: dict | None = None
         self.store = self._store()
         ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.logits_per_sample
-        self.stats = SampleStatsHook([int(k) for k in cfg.eval.topk]) if ci_on else None
+        self.stats = SampleStatsHook(self._sample_columns()) if ci_on else None
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -274,7 +276,20 @@ class RankRun:
             ctx.status.update(in_collective=None)
         if parts is None:
             return None
-        return intervals(torch.cat(parts).numpy(), self.stats.topk, int(ci.resamples), float(ci.level), int(ci.seed))
+        t0 = time.perf_counter()
+        out = intervals(torch.cat(parts).numpy(), self.stats.cols, int(ci.resamples), float(ci.level), int(ci.seed))
+        if "ranking" in self.ctx.cfg.eval.metrics and not self.stats.cols.probs:
+            out["not_computed"] = [f"auroc_macro: {self.task.num_classes} classes (the interval gathers every "
+                                   f"sample's probabilities, done up to {CI_PROBS_MAX_CLASSES} classes)"]
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+    def _sample_columns(self) -> SampleColumns:
+        """What each sample keeps for the intervals: top-k, NLL, macro F1, ECE, and the probabilities for the
+        AUROC when ``ranking`` is among the metrics and C <= ``CI_PROBS_MAX_CLASSES``."""
+        cfg, c = self.ctx.cfg, int(self.task.num_classes)
+        return SampleColumns(tuple(int(k) for k in cfg.eval.topk), c, int(cfg.eval.ece_bins),
+                             probs="ranking" in cfg.eval.metrics and c <= CI_PROBS_MAX_CLASSES)
 
     def _after_loop(self, ev: Evaluator) -> float:
         """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as

@@ -17,7 +17,7 @@ import torch
 from disteval.data.prediction_columns import build_table
 from disteval.data.prediction_store import MANIFEST, SCHEMA_VERSION, file_sha256, preprocessing_digest
 from disteval.loop import LoopHook
-from disteval.metrics.bootstrap import per_sample
+from disteval.metrics.bootstrap import SampleColumns, per_sample
 from disteval.records import atomic_write_json
 
 STORE_DIR = "predictions"
@@ -63,17 +63,16 @@ class PredictionHook(LoopHook):
 
 class SampleStatsHook(LoopHook):
     """Per-sample statistics of this rank's samples for the bootstrap intervals (``eval.ci``):
-    ``disteval.metrics.bootstrap.per_sample`` rows per batch; ``rows()`` all of them, float64 [n, 2 + K]."""
+    ``disteval.metrics.bootstrap.per_sample`` rows per batch; ``rows()`` all of them, float64 [n, cols.width]."""
 
-    def __init__(self, topk: list[int]):
-        self.topk, self.parts = list(topk), []
+    def __init__(self, cols: SampleColumns):
+        self.cols, self.parts = cols, []
 
     def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
-        self.parts.append(per_sample(outputs, targets, ids, self.topk))
+        self.parts.append(per_sample(outputs, targets, ids, self.cols))
 
     def rows(self) -> torch.Tensor:
-        width = 2 + len(self.topk)
-        return torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros((0, width)))
+        return torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros((0, self.cols.width)))
 
 
 def weights_digest(model: torch.nn.Module | None) -> str | None:

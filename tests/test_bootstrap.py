@@ -1,5 +1,6 @@
 """Bootstrap confidence intervals (``eval.ci.resamples``): ``==`` at W = 1, 2, 3 with real ranks, equal to
-scipy's bootstrap on the per-sample values numpy computes from the stored logits, and covering the true accuracy
+scipy's bootstrap on the per-sample values numpy computes from the stored logits (top-k, NLL) and on scikit-learn's
+statistics over the same resamples (macro F1, AUROC; ECE from its definition), and covering the true accuracy
 of a synthetic classifier at the nominal rate."""
 import os
 
@@ -18,7 +19,8 @@ def test_intervals_identical_at_every_world_size_and_equal_to_scipy(tmp_path):
     import pyarrow.parquet as pq
     from scipy.stats import bootstrap
 
-    job = ("+experiment=fashion_mnist", "eval.ci.resamples=300", "eval.ci.seed=11", "eval.progress=false")
+    job = ("+experiment=fashion_mnist", "eval.metrics=[classification,ranking]", "eval.ci.resamples=300",
+           "eval.ci.seed=11", "eval.progress=false")
     got = {}
     for w in (1, 2, 3):
         extra = ("eval.save_predictions=true", "eval.predictions.logits=true") if w == 1 else ()
@@ -44,6 +46,36 @@ def test_intervals_identical_at_every_world_size_and_equal_to_scipy(tmp_path):
         else:
             assert (ci[name]["low"], ci[name]["high"]) == want
         assert ci[name]["low"] <= v.mean() <= ci[name]["high"]
+    _check_non_mean_intervals(ci, z, y, load_results(tmp_path / "w1")["metrics"])
+
+
+def _check_non_mean_intervals(ci: dict, z: np.ndarray, y: np.ndarray, metrics: dict) -> None:
+    """Macro F1, ECE and macro AUROC: scipy's bootstrap over the same resamples of the sample positions with
+    the statistics computed by scikit-learn (F1, AUROC) and by numpy from the ECE's definition, on the stored
+    logits; each interval holds the run's own value."""
+    from scipy.stats import bootstrap
+    from sklearn.metrics import f1_score, roc_auc_score
+
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    pred, conf = z.argmax(1), p.max(1)
+    edges = np.linspace(0, 1, 16)
+
+    def ece(i):
+        total = 0.0
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            inside = (conf[i] > lo) & (conf[i] <= hi) if lo > 0 else conf[i] <= hi
+            total += abs(float((pred[i][inside] == y[i][inside]).sum()) - float(conf[i][inside].sum()))
+        return total / len(i)
+
+    stats = {"macro_f1": lambda i: f1_score(y[i], pred[i], average="macro", labels=range(10), zero_division=0),
+             "ece": ece, "auroc_macro": lambda i: roc_auc_score(y[i], p[i], multi_class="ovr", labels=range(10))}
+    for name, statistic in stats.items():
+        res = bootstrap((np.arange(len(y)),), statistic, vectorized=False, n_resamples=300, method="percentile",
+                        rng=np.random.default_rng(11))
+        want = (res.confidence_interval.low, res.confidence_interval.high)
+        assert (ci[name]["low"], ci[name]["high"]) == pytest.approx(want, rel=1e-9, abs=1e-12), name
+        assert ci[name]["low"] <= metrics[name] <= ci[name]["high"], name
 
 
 def test_intervals_cover_the_true_accuracy_at_the_nominal_rate():

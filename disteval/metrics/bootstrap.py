@@ -1,34 +1,92 @@
 """Bootstrap confidence intervals over global sample ids (``eval.ci.*``), identical at every world size.
 
 Each rank computes per-sample statistics from its outputs (``per_sample``: correct@k for each k of
-``eval.topk``, and the negative log-likelihood in float64); rank 0 receives every rank's rows, orders them by
+``eval.topk``, the negative log-likelihood in float64, the target, the predicted class and its confidence, and
+for AUROC the softmax probabilities); rank 0 receives every rank's rows, orders them by
 global sample id and resamples samples (``intervals``: ``scipy.stats.bootstrap``, percentile method, one
-seeded generator per metric). The rows are functions of each sample's own outputs, which bitwise mode makes the
+seeded generator per metric, the same resamples for all). Means of one column (top-k, NLL) resample the
+column; macro F1, ECE and AUROC are recomputed from the resampled samples' rows (``interval_of``). The rows are functions of each sample's own outputs, which bitwise mode makes the
 same bits at every world size, and the resampling sees them in sample-id order, so the intervals are ``==`` at
 every world size and loader worker count. Source of the method: Efron & Tibshirani, *An Introduction to the
 Bootstrap* (1993), ch. 13 (percentile intervals).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 
-def per_sample(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, topk: list[int]) -> np.ndarray:
-    """float64 rows [B, 2 + len(topk)]: sample id, correct@k for each k (0/1), NLL (log-sum-exp minus the
-    target's logit, in float64). ``logits`` float [B, C], ``targets`` int64 [B], ``ids`` int64 [B]."""
+@dataclass(frozen=True)
+class SampleColumns:
+    """What ``per_sample`` keeps of each sample, float64 columns in this order: the sample id; correct@k (0/1)
+    for each k of ``topk``; the NLL; the target, the predicted class (arg-max) and the confidence (the largest
+    softmax probability, as ``ClassificationMetrics`` bins it for the ECE); with ``probs`` the C softmax
+    probabilities (the AUROC's scores, as ``RankingMetrics`` computes them). ``num_classes`` C, ``ece_bins`` M."""
+
+    topk: tuple[int, ...]
+    num_classes: int
+    ece_bins: int = 15
+    probs: bool = False
+
+    @property
+    def width(self) -> int:
+        return 5 + len(self.topk) + (self.num_classes if self.probs else 0)
+
+    def mean_names(self) -> list[str]:
+        """The metrics that are means of one column (after the id): top{k}..., nll."""
+        return [f"top{k}" for k in self.topk] + ["nll"]
+
+
+def per_sample(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, cols: SampleColumns) -> np.ndarray:
+    """float64 rows [B, ``cols.width``] (``SampleColumns``) of one batch: ``logits`` float [B, C], ``targets``
+    int64 [B], ``ids`` int64 [B]. Everything in float64 from the logits promoted to float64, as the metrics do."""
     z = logits.detach().cpu().double()
     y = torch.as_tensor(targets).cpu().long()
-    ranked = z.topk(max(topk), dim=1).indices
-    cols = [ids.cpu().double()]
-    cols += [(ranked[:, :k] == y[:, None]).any(1).double() for k in topk]
-    cols.append(torch.logsumexp(z, dim=1) - z.gather(1, y[:, None]).squeeze(1))
-    return torch.stack(cols, dim=1).numpy()
+    ranked = z.topk(max(cols.topk), dim=1).indices
+    out = [ids.cpu().double()]
+    out += [(ranked[:, :k] == y[:, None]).any(1).double() for k in cols.topk]
+    out.append(torch.logsumexp(z, dim=1) - z.gather(1, y[:, None]).squeeze(1))
+    logp = torch.log_softmax(z, dim=1)
+    out += [y.double(), z.argmax(dim=1).double(), logp.max(dim=1).values.exp()]
+    rows = torch.stack(out, dim=1)
+    if cols.probs:
+        rows = torch.cat([rows, torch.softmax(z, dim=1)], dim=1)
+    return rows.numpy()
 
 
-def names(topk: list[int]) -> list[str]:
-    """The metrics of ``per_sample``'s columns after the id: top{k}..., nll."""
-    return [f"top{k}" for k in topk] + ["nll"]
+def macro_f1(target: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
+    """Macro F1 over all C classes (2 tp / (2 tp + fp + fn) per class, 0 where undefined; scikit-learn's
+    ``f1_score(average="macro", labels=range(C), zero_division=0)``). ``target``, ``pred`` int [n]."""
+    tp = np.bincount(target[target == pred], minlength=num_classes).astype(np.float64)
+    den = np.bincount(target, minlength=num_classes) + np.bincount(pred, minlength=num_classes)
+    f1 = np.zeros(num_classes)
+    np.divide(2 * tp, den, out=f1, where=den != 0)
+    return float(f1.mean())
+
+
+def expected_calibration_error(correct: np.ndarray, conf: np.ndarray, bins: int) -> float:
+    """ECE with ``bins`` equal-width confidence bins ((i/M, (i+1)/M], the lowest closed at 0): sum over bins of
+    |correct - confidence| summed in the bin, divided by n (Guo et al. 2017, eq. 3)."""
+    b = np.clip(np.ceil(conf * bins).astype(np.int64) - 1, 0, bins - 1)
+    gap = np.bincount(b, weights=correct, minlength=bins) - np.bincount(b, weights=conf, minlength=bins)
+    return float(np.abs(gap).sum() / len(conf))
+
+
+def macro_auroc(target: np.ndarray, probs: np.ndarray) -> float:
+    """Mean one-vs-rest AUROC over the classes with both positives and negatives (Mann-Whitney U with average
+    ranks for ties, as ``RankingMetrics``); ``probs`` float [n, C]."""
+    from scipy.stats import rankdata
+
+    ranks = rankdata(probs, axis=0)
+    aucs = []
+    for c in range(probs.shape[1]):
+        pos = target == c
+        n_pos = int(pos.sum())
+        if 0 < n_pos < len(target):
+            aucs.append((ranks[pos, c].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * (len(target) - n_pos)))
+    return float(np.mean(aucs)) if aucs else float("nan")
 
 
 def interval(values: np.ndarray, resamples: int, level: float, seed: int) -> tuple[float, float]:
@@ -43,16 +101,44 @@ def interval(values: np.ndarray, resamples: int, level: float, seed: int) -> tup
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def intervals(rows: np.ndarray, topk: list[int], resamples: int, level: float, seed: int) -> dict:
+def interval_of(statistic, n: int, resamples: int, level: float, seed: int) -> tuple[float, float]:
+    """The percentile bootstrap interval of ``statistic(idx)`` (idx: int [n] resampled sample positions, drawn by
+    ``numpy.random.default_rng(seed)`` as for ``interval``: the same resamples), for statistics that are not a
+    mean of one per-sample value (macro F1, ECE, AUROC); ``scipy.stats.bootstrap`` on the positions."""
+    from scipy.stats import bootstrap
+
+    point = statistic(np.arange(n))
+    if n < 2:
+        return point, point
+    res = bootstrap((np.arange(n),), statistic, vectorized=False, n_resamples=resamples, confidence_level=level,
+                    method="percentile", rng=np.random.default_rng(seed))
+    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return (point, point) if np.isnan(low) else (low, high)
+
+
+def intervals(rows: np.ndarray, cols: SampleColumns, resamples: int, level: float, seed: int) -> dict:
     """{metric: {low, high}} plus {level, resamples, seed, method, samples} from every rank's ``per_sample`` rows
-    (any order; sorted here by sample id). Raises ValueError when a sample id is missing or repeated."""
+    (any order; sorted here by sample id): top-k and NLL (means), macro F1, ECE and, with ``cols.probs``, the
+    macro AUROC. Raises ValueError when a sample id is missing or repeated."""
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
     n = len(rows)
     if not np.array_equal(rows[:, 0], np.arange(n, dtype=np.float64)):
         raise ValueError(f"bootstrap: the per-sample rows do not hold each of the {n} sample ids once")
     out: dict = {"level": level, "resamples": resamples, "seed": seed, "method": "percentile bootstrap over samples",
                  "samples": n}
-    for j, name in enumerate(names(topk), start=1):
+    names = cols.mean_names()
+    for j, name in enumerate(names, start=1):
         low, high = interval(rows[:, j], resamples, level, seed)
+        out[name] = {"low": low, "high": high}
+    k = 1 + len(names)
+    target, pred, conf = rows[:, k].astype(np.int64), rows[:, k + 1].astype(np.int64), rows[:, k + 2]
+    correct = (target == pred).astype(np.float64)
+    stats = {"macro_f1": lambda i: macro_f1(target[i], pred[i], cols.num_classes),
+             "ece": lambda i: expected_calibration_error(correct[i], conf[i], cols.ece_bins)}
+    if cols.probs:
+        probs = rows[:, k + 3:]
+        stats["auroc_macro"] = lambda i: macro_auroc(target[i], probs[i])
+    for name, statistic in stats.items():
+        low, high = interval_of(statistic, n, resamples, level, seed)
         out[name] = {"low": low, "high": high}
     return out
