@@ -27,7 +27,8 @@ def test_intervals_identical_at_every_world_size_and_equal_to_scipy(tmp_path):
         proc = run_disteval(*job, *extra, f"dist.world_size={w}", run_dir=tmp_path / f"w{w}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[w] = load_results(tmp_path / f"w{w}")["confidence_intervals"]
-    assert got[1] == got[2] == got[3]
+    seconds = [got[w].pop("seconds") for w in (1, 2, 3)]  # rank 0's time for them, the one field that varies
+    assert got[1] == got[2] == got[3] and all(s > 0 for s in seconds)
     ci = got[1]
     assert (ci["samples"], ci["resamples"], ci["seed"], ci["level"]) == (10000, 300, 11, 0.95)
     assert "bootstrap intervals over the 10,000 samples" in " ".join(proc.stdout.split())
@@ -88,3 +89,21 @@ def test_intervals_cover_the_true_accuracy_at_the_nominal_rate():
         low, high = interval(correct, 1000, 0.95, seed=rep)
         covered += low <= 0.8 <= high
     assert 0.93 <= covered / 400 <= 0.97, covered / 400
+
+
+def test_resampled_auroc_equals_scikit_learn_with_ties():
+    """``MacroAuroc`` weights each sample by its multiplicity instead of re-sorting: on resamples of scores with
+    many ties it equals scikit-learn's roc_auc_score of the resampled rows (one-vs-rest, macro)."""
+    from sklearn.metrics import roc_auc_score
+
+    from disteval.metrics.bootstrap import MacroAuroc
+
+    rng = np.random.default_rng(5)
+    probs = rng.dirichlet(np.ones(6), size=800).round(2)  # rounded: ties within and across classes
+    probs /= probs.sum(1, keepdims=True)
+    target = rng.integers(0, 6, 800)
+    auroc = MacroAuroc(target, probs)
+    for _ in range(5):
+        i = rng.integers(0, 800, 800)
+        assert auroc(i) == pytest.approx(roc_auc_score(target[i], probs[i], multi_class="ovr", labels=range(6)),
+                                         rel=1e-12)

@@ -74,19 +74,34 @@ def expected_calibration_error(correct: np.ndarray, conf: np.ndarray, bins: int)
     return float(np.abs(gap).sum() / len(conf))
 
 
-def macro_auroc(target: np.ndarray, probs: np.ndarray) -> float:
-    """Mean one-vs-rest AUROC over the classes with both positives and negatives (Mann-Whitney U with average
-    ranks for ties, as ``RankingMetrics``); ``probs`` float [n, C]."""
-    from scipy.stats import rankdata
+class MacroAuroc:
+    """Mean one-vs-rest AUROC over the classes with both positives and negatives, of any resample of the samples
+    (Mann-Whitney U with average ranks for ties, as ``RankingMetrics``): each class's scores are sorted once
+    (``target`` int [n], ``probs`` float [n, C]); a resample is the multiplicity of each sample (its weight),
+    so ``self(idx)`` costs O(n C) without sorting: AUROC = sum over positives of weight x (negative weight
+    scored strictly lower + half the negative weight scored equal) / (positive weight x negative weight)."""
 
-    ranks = rankdata(probs, axis=0)
-    aucs = []
-    for c in range(probs.shape[1]):
-        pos = target == c
-        n_pos = int(pos.sum())
-        if 0 < n_pos < len(target):
-            aucs.append((ranks[pos, c].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * (len(target) - n_pos)))
-    return float(np.mean(aucs)) if aucs else float("nan")
+    def __init__(self, target: np.ndarray, probs: np.ndarray):
+        self.n, self.c = probs.shape
+        self.order = np.argsort(probs, axis=0, kind="stable")
+        ranked = np.take_along_axis(probs, self.order, axis=0)
+        # tie group of each sorted position, per class
+        self.group = np.vstack([np.zeros((1, self.c), np.int64), np.cumsum(np.diff(ranked, axis=0) != 0, axis=0)])
+        self.positive = target[self.order] == np.arange(self.c)[None, :]
+
+    def __call__(self, idx: np.ndarray) -> float:
+        w = np.bincount(idx, minlength=self.n).astype(np.float64)[self.order]
+        aucs = []
+        for c in range(self.c):
+            wp, wn = np.where(self.positive[:, c], w[:, c], 0.0), np.where(self.positive[:, c], 0.0, w[:, c])
+            total_p, total_n = wp.sum(), wn.sum()
+            if total_p == 0 or total_n == 0:
+                continue
+            g = self.group[:, c]
+            gp, gn = np.bincount(g, weights=wp), np.bincount(g, weights=wn)
+            below = np.cumsum(gn) - gn
+            aucs.append(float((gp * (below + 0.5 * gn)).sum() / (total_p * total_n)))
+        return float(np.mean(aucs)) if aucs else float("nan")
 
 
 def interval(values: np.ndarray, resamples: int, level: float, seed: int) -> tuple[float, float]:
@@ -137,7 +152,7 @@ def intervals(rows: np.ndarray, cols: SampleColumns, resamples: int, level: floa
              "ece": lambda i: expected_calibration_error(correct[i], conf[i], cols.ece_bins)}
     if cols.probs:
         probs = rows[:, k + 3:]
-        stats["auroc_macro"] = lambda i: macro_auroc(target[i], probs[i])
+        stats["auroc_macro"] = MacroAuroc(target, probs)
     for name, statistic in stats.items():
         low, high = interval_of(statistic, n, resamples, level, seed)
         out[name] = {"low": low, "high": high}
