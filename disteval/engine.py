@@ -355,6 +355,13 @@ class RankRun:
             elif not cov.ok:
                 log.warning("data.sampler=%s: %s", self.sampler, cov.message())
             out["coverage"], out["metrics"] = cov, final.metric.compute()
+            ci = cfg.eval.get("ci") or {}
+            if int(ci.get("resamples", 0) or 0) > 0 and self.stats is None and not self.outcomes:
+                t0 = time.perf_counter()
+                out["intervals"] = self.task.confidence_intervals(final.metric, int(ci.resamples), float(ci.level),
+                                                                  int(ci.seed))
+                if out["intervals"] is not None:
+                    out["intervals"]["seconds"] = time.perf_counter() - t0
             if kept_runs is not None:
                 out["exclusion"] = self._exclusion_record(drop, kept_runs, synced.rows, ev.metric.compute())
         return out

@@ -171,7 +171,7 @@ def print_intervals(ci: dict | None, console: Console | None = None) -> None:
         return
     console = console or Console()
     parts = [f"{k} [{v['low']:.4f}, {v['high']:.4f}]" for k, v in ci.items() if isinstance(v, dict)]
-    console.print(f"{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} samples ({ci['resamples']} "
+    console.print(f"{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} {ci.get('unit', 'samples')} ({ci['resamples']} "
                   f"resamples, seed {ci['seed']}): " + ", ".join(parts), soft_wrap=True, highlight=False)
 
 

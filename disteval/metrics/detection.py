@@ -15,6 +15,7 @@ import torch
 from disteval.common.coco_types import detections_from_arrays
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.coco_bootstrap import ImageResampler, coco_intervals, image_npig
 from disteval.metrics.coco_eval import (AREA_RNG, RECORD_DTYPE, STAT_NAMES, DetectionShard, accumulate, match_shard,
                                         per_category_ap, summarize)
 
@@ -139,6 +140,16 @@ class CocoDetectionMetric(Metric):
         out["detections_evaluated"] = int(len(rec))  # the first 100 per image and category
         out["iou_type"] = self.iou_type
         return out
+
+    def intervals(self, resamples: int, level: float, seed: int) -> dict:
+        """Bootstrap intervals of the 12 statistics over the evaluated images (``coco_bootstrap``), from the
+        synchronised records (rank 0, after ``compute``)."""
+        self._flush()
+        images = np.unique(self._states["images"].numpy())
+        rec = self._states["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
+        npig = image_npig(self.gt.shard(images, "bbox"), images, self.gt.num_categories)
+        return coco_intervals(ImageResampler(rec, images, npig, self.gt.num_categories), len(images), resamples,
+                              level, seed)
 
 
 def _concat(parts: list[DetectionShard]) -> DetectionShard:

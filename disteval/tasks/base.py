@@ -93,6 +93,13 @@ class Task(abc.ABC):
         ``prediction_schema`` is not None."""
         raise NotImplementedError(f"{type(self).__name__} declares a prediction schema but no columns")
 
+    def confidence_intervals(self, metric: Metric, resamples: int, level: float, seed: int) -> dict | None:
+        """Bootstrap intervals (``eval.ci.resamples`` > 0) from the synchronised ``metric`` on rank 0, for a
+        task whose statistics are not per-sample logits (``logits_per_sample`` tasks get theirs from the
+        engine's per-sample rows): {metric: {low, high}, level, resamples, seed, method, samples}, identical at
+        every world size. Default None: no intervals."""
+        return None
+
     def describe(self) -> dict:
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}

@@ -65,6 +65,10 @@ class _CocoTask(Task):
         """``targets`` are image indices into the annotation file's sorted image ids."""
         return detection_columns(outputs, self.gt.image_ids[torch.as_tensor(targets).long().cpu().numpy()], ids)
 
+    def confidence_intervals(self, metric, resamples, level, seed):
+        """The 12 COCO statistics' intervals over images (``disteval.metrics.coco_bootstrap``)."""
+        return metric.intervals(resamples, level, seed)
+
     def metric(self) -> CocoDetectionMetric:
         return CocoDetectionMetric(self.gt, self.cfg.eval.iou_type, keep_predictions=bool(self.cfg.eval.save_predictions))
 
