@@ -3,6 +3,7 @@ statistics are pycocotools' on the dataset that holds each drawn image as often 
 are ``==`` at W = 1, 2, 3 with real ranks and hold the run's own AP."""
 import copy
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,3 +92,47 @@ def test_intervals_identical_at_every_world_size(synthetic, tmp_path):
     for name in ("AP", "AP50", "AP75", "AR100"):
         assert ci[name]["low"] <= metrics[name] <= ci[name]["high"] and ci[name]["low"] < ci[name]["high"], name
     assert "bootstrap intervals over the 30 images" in " ".join(proc.stdout.split())
+
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "coco").is_dir(), reason="../shared/data/coco (the shared COCO files) "
+                    "not present")
+def test_segmentation_intervals_over_images(tmp_path):
+    """The COCO semantic-segmentation replay: intervals of mIoU, mean Dice, mIoU_per_image `==` at W = 1 and 2;
+    the statistic of a resample equals mIoU / Dice computed with numpy from the images' confusion counts in the
+    prediction store, each drawn image counted as often as drawn; the intervals hold the run's values."""
+    import pyarrow.parquet as pq
+
+    from disteval.metrics.bootstrap import SegmentationResampler, vector_intervals
+
+    got = {}
+    for w in (1, 2):
+        proc = run_disteval("+experiment=coco_semseg_replay", f"dist.world_size={w}", "eval.ci.resamples=80",
+                            "eval.save_predictions=true", "eval.progress=false", run_dir=tmp_path / f"w{w}",
+                            env={"DISTEVAL_SHARED": str(SHARED)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = load_results(tmp_path / f"w{w}")
+        got[w] = res["confidence_intervals"]
+        assert got[w].pop("seconds") > 0
+    assert got[1] == got[2]
+    metrics = res["metrics"]
+    for name in ("mIoU", "mean_dice", "mIoU_per_image"):
+        assert got[1][name]["low"] <= metrics[name] <= got[1][name]["high"], name
+    table = pq.read_table(tmp_path / "w2" / "predictions").sort_by("sample_id")
+    c = metrics["num_classes"]
+    conf = np.stack(table.column("confusion").to_numpy(zero_copy_only=False)).reshape(-1, c, c).astype(np.int64)
+    tp = np.diagonal(conf, axis1=1, axis2=2)
+    union = conf.sum(2) + conf.sum(1) - tp
+    rows = np.concatenate([np.arange(len(conf))[:, None], tp, union], axis=1)
+    resampler = SegmentationResampler(rows, c)
+    idx = np.random.default_rng(1).integers(0, len(conf), len(conf))
+    total = conf[idx].sum(0)
+    t, u = np.diag(total).astype(np.float64), total.sum(0) + total.sum(1) - np.diag(total)
+    want = [np.mean(t[u > 0] / u[u > 0]), np.mean(2 * t[u > 0] / (total.sum(0) + total.sum(1))[u > 0])]
+    assert resampler(idx)[:2].tolist() == pytest.approx(want, rel=1e-12)
+    assert resampler(np.arange(len(conf))).tolist() == pytest.approx(
+        [metrics["mIoU"], metrics["mean_dice"], metrics["mIoU_per_image"]], rel=1e-12)
+    again = vector_intervals(resampler, resampler.names, len(conf), (80, 0.95, 0), "images")
+    assert all(again[k] == got[1][k] for k in resampler.names)  # the store's counts give the run's intervals

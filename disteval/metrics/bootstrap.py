@@ -157,3 +157,53 @@ def intervals(rows: np.ndarray, cols: SampleColumns, resamples: int, level: floa
         low, high = interval_of(statistic, n, resamples, level, seed)
         out[name] = {"low": low, "high": high}
     return out
+
+
+def vector_intervals(statistic, names: list[str], n: int, plan: tuple[int, float, int], unit: str) -> dict:
+    """{name: {low, high}} for each entry of ``statistic(idx)`` (float64 [len(names)] of the resampled positions
+    ``idx`` int [n]) plus {level, resamples, seed, method, samples, unit}; ``plan`` = (resamples, level, seed).
+    ``scipy.stats.bootstrap`` (percentile) over the positions with ``numpy.random.default_rng(seed)``. A value
+    undefined on the whole set (-1 or nan: COCO's -1 where nothing is defined) keeps it as both ends."""
+    from scipy.stats import bootstrap
+
+    resamples, level, seed = plan
+    point = np.asarray(statistic(np.arange(n)), dtype=np.float64)
+    out: dict = {"level": level, "resamples": resamples, "seed": seed, "method": f"percentile bootstrap over {unit}",
+                 "samples": n, "unit": unit}
+    low = high = point
+    if n >= 2:
+        res = bootstrap((np.arange(n),), statistic, vectorized=False, n_resamples=resamples, confidence_level=level,
+                        method="percentile", rng=np.random.default_rng(seed))
+        low, high = np.atleast_1d(res.confidence_interval.low), np.atleast_1d(res.confidence_interval.high)
+    for j, name in enumerate(names):
+        defined = point[j] != -1 and np.isfinite(point[j]) and np.isfinite(low[j]) and np.isfinite(high[j])
+        out[name] = {"low": float(low[j] if defined else point[j]), "high": float(high[j] if defined else point[j])}
+    return out
+
+
+class SegmentationResampler:
+    """``self(idx)``: [mIoU, mean_dice, mIoU_per_image] (float64 [3]) of the image multiset ``idx`` from the
+    per-image rows of ``SegmentationMetrics`` (``rows`` int64 [I, 1 + 2C]: sample id, intersection [C], union
+    [C], sorted by sample id). A resample's class counts are the drawn images' counts summed (each image as often
+    as drawn): tp_c = sum intersection, union_c = sum union, so IoU_c = tp_c / union_c and Dice_c = 2 tp_c /
+    (union_c + tp_c) over the classes present (union_c > 0), as the metric defines them; pixel accuracy and
+    fwIoU need each image's label counts, which the rows do not keep."""
+
+    names = ["mIoU", "mean_dice", "mIoU_per_image"]
+
+    def __init__(self, rows: np.ndarray, num_classes: int):
+        c = num_classes
+        self.inter, self.union = rows[:, 1:1 + c].astype(np.float64), rows[:, 1 + c:].astype(np.float64)
+        valid = self.union > 0
+        iou = np.zeros_like(self.inter)
+        np.divide(self.inter, self.union, out=iou, where=valid)
+        self.image_iou_sum, self.image_pairs = iou.sum(1), valid.sum(1).astype(np.float64)
+
+    def __call__(self, idx: np.ndarray) -> np.ndarray:
+        w = np.bincount(idx, minlength=len(self.inter)).astype(np.float64)
+        tp, union = w @ self.inter, w @ self.union
+        present = union > 0
+        pairs = w @ self.image_pairs
+        return np.array([np.mean(tp[present] / union[present]) if present.any() else np.nan,
+                         np.mean(2 * tp[present] / (union[present] + tp[present])) if present.any() else np.nan,
+                         (w @ self.image_iou_sum) / pairs if pairs else np.nan])

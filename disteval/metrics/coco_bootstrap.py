@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from disteval.common.coco_types import GroundTruthShard
+from disteval.metrics.bootstrap import vector_intervals
 from disteval.metrics.coco_eval import A, STAT_NAMES, _area_out, accumulate, summarize
 
 
@@ -52,20 +53,6 @@ class ImageResampler:
 
 
 def coco_intervals(resampler: ImageResampler, num_images: int, resamples: int, level: float, seed: int) -> dict:
-    """{statistic: {low, high}} for the 12 statistics plus {level, resamples, seed, method, samples (images)};
-    a statistic undefined (-1) on the whole set keeps -1 as both ends. ``scipy.stats.bootstrap`` over image
-    positions, ``numpy.random.default_rng(seed)``."""
-    from scipy.stats import bootstrap
-
-    point = resampler(np.arange(num_images))
-    out: dict = {"level": level, "resamples": resamples, "seed": seed,
-                 "method": "percentile bootstrap over images", "samples": num_images, "unit": "images"}
-    low = high = point
-    if num_images >= 2:
-        res = bootstrap((np.arange(num_images),), resampler, vectorized=False, n_resamples=resamples,
-                        confidence_level=level, method="percentile", rng=np.random.default_rng(seed))
-        low, high = res.confidence_interval.low, res.confidence_interval.high
-    for j, name in enumerate(STAT_NAMES):
-        lo, hi = (float(low[j]), float(high[j])) if point[j] != -1 and np.isfinite(low[j]) else (point[j], point[j])
-        out[name] = {"low": float(lo), "high": float(hi)}
-    return out
+    """{statistic: {low, high}} for the 12 statistics plus {level, resamples, seed, method, samples, unit
+    (images)} (``bootstrap.vector_intervals``); a statistic undefined (-1) on the whole set keeps -1."""
+    return vector_intervals(resampler, list(STAT_NAMES), num_images, (resamples, level, seed), "images")

@@ -45,6 +45,7 @@ from pycocotools import mask as mask_utils
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.bootstrap import SegmentationResampler, vector_intervals
 
 ABSENT_RULE = ("classes absent from both labels and predictions are null and excluded from every mean "
                "(accuracy: classes without label pixels)")
@@ -337,6 +338,19 @@ class SegmentationMetrics(Metric):
         per_class = _ratio(sums, valid.sum(0))
         return {"mIoU_per_image": math.fsum(iou[valid].tolist()) / pairs if pairs else None,
                 "per_class_IoU_per_image": _nullable(per_class), "num_images": int(rows.shape[0])}
+
+    def intervals(self, resamples: int, level: float, seed: int) -> dict | None:
+        """Bootstrap intervals over images of mIoU, mean Dice and mIoU_per_image from the gathered per-image
+        rows (``bootstrap.SegmentationResampler``; rank 0, after the synchronisation); None without
+        ``per_image``."""
+        if not self.per_image:
+            return None
+        rows = self.states()["per_image"][0].cpu().numpy()
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        resampler = SegmentationResampler(rows, self.num_classes)
+        out = vector_intervals(resampler, resampler.names, len(rows), (resamples, level, seed), "images")
+        out["not_computed"] = ["pixel_accuracy, mean_accuracy, fwIoU (the per-image rows keep no label counts)"]
+        return out
 
     def local_summary(self) -> dict:
         """This rank's pixel accuracy and labelled pixels before synchronisation."""

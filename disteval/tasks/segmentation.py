@@ -52,6 +52,10 @@ class _SegmentationTask(Task):
         return segmentation_columns(outputs, targets, ids, self.num_classes, self.cfg.eval.get("ignore_index", 255),
                                     bool(self.cfg.eval.predictions.label_maps))
 
+    def confidence_intervals(self, metric, resamples, level, seed):
+        """mIoU, mean Dice and mIoU_per_image over images (``SegmentationMetrics.intervals``)."""
+        return metric.intervals(resamples, level, seed)
+
     def metric(self) -> SegmentationMetrics:
         return SegmentationMetrics(self.num_classes, self.cfg.eval.get("ignore_index", 255),
                                    keep_predictions=bool(self.cfg.eval.get("save_predictions")))
