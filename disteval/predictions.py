@@ -97,8 +97,8 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
         "model": {"name": model.get("name"), "weights": model.get("weights"), "checkpoint": model.get("checkpoint"),
                   "weights_digest": identity["weights_digest"]},
         "data": {"name": data.get("name"), "split": data.get("split"), "num_samples": identity["num_samples"],
-                 "preprocessing_digest": preprocessing_digest(data)},
-        "settings": {"topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
+                 "preprocessing_digest": preprocessing_digest(data), **_annotations(data)},
+        "settings": {"iou_type": str(cfg.eval.get("iou_type")), "topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
                      "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
                      "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
                      "metrics": [str(m) for m in cfg.eval.metrics], "eval_topk": [int(k) for k in cfg.eval.topk]},
@@ -107,3 +107,10 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
     path = Path(run_dir) / STORE_DIR / MANIFEST
     atomic_write_json(path, manifest)
     return path
+
+
+def _annotations(data: Any) -> dict:
+    """{annotations, annotations_sha256} of a task whose ground truth is an annotation file (COCO), else {}:
+    re-scoring checks that it scores against the same file."""
+    path = data.get("annotations")
+    return {"annotations": str(Path(path).resolve()), "annotations_sha256": file_sha256(Path(path))} if path else {}

@@ -1,7 +1,8 @@
 """``python -m disteval.rescore STORE [OVERRIDES...]``: the metrics of a prediction store, without the model.
 
 STORE is a run directory written with ``eval.save_predictions=true eval.predictions.logits=true`` (or its
-``predictions/`` folder). The store is evaluated as a normal run of ``python -m disteval`` (ranks, shards,
+``predictions/`` folder). A detection store (boxes) re-scores through the COCO replay against the annotation file
+it was written with (``data.annotations=...`` to name it where it moved; its sha256 must match). The store is evaluated as a normal run of ``python -m disteval`` (ranks, shards,
 synchronisation, results.json in its own run directory) with ``data=predictions`` and an identity model, batched
 as the run that wrote it (``data.batch_size`` and ``eval.mode`` from the manifest, and by default its metric families
 and top-k): in bitwise mode its metrics are the writer's bits at any world size. OVERRIDES are the job's (``eval.metrics=[classification,ranking]``,
@@ -18,6 +19,8 @@ from pathlib import Path
 from disteval.data.prediction_store import MANIFEST
 
 DATA_PREFIXES = ("data.", "data=", "+experiment=", "experiment=")
+DETECTION = ("detection", "replay")  # tasks whose stores re-score through the COCO replay
+RESCORED = ("classification", *DETECTION)
 
 
 def _store_dir(arg: str) -> Path:
@@ -41,6 +44,11 @@ def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
     the writer's batch size and mode, then the job's non-data ``overrides``."""
     settings = manifest["settings"]
     rest = [o for o in overrides if not o.startswith(DATA_PREFIXES)]
+    if manifest["task"] in DETECTION:  # the COCO replay of the stored boxes against the writer's annotation file
+        data = [o for o in overrides if o.startswith("data.annotations=")] or [
+            f"data.annotations={manifest['data']['annotations']}"]
+        return [sys.executable, "-m", "disteval", "+experiment=coco_replay", *data, f"data.predictions={store}",
+                f"data.batch_size={int(settings['batch_size'])}", f"eval.mode={settings['mode']}", *rest]
     same = [f"eval.metrics=[{','.join(settings['metrics'])}]", f"eval.topk=[{','.join(map(str, settings['eval_topk']))}]"]
     same = [o for o in same if not any(r.startswith(o.split("=")[0] + "=") for r in rest)]  # the job's own win
     return [sys.executable, "-m", "disteval", "data=predictions", f"data.root={store}",
@@ -50,7 +58,7 @@ def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from disteval.data.prediction_store import check_identity, read_manifest
-    from disteval.errors import DistevalError
+    from disteval.errors import DataError, DistevalError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -59,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     store, overrides = _store_dir(argv[0]), argv[1:]
     try:
         manifest = read_manifest(store)
-        data_overrides = [o for o in overrides if o.startswith(DATA_PREFIXES)]
-        if data_overrides:
+        if manifest["task"] not in RESCORED:
+            raise DataError(f"{store / MANIFEST}: a {manifest['task']} store ({', '.join(manifest.get('columns') or [])})"
+                            " is read with pandas/polars/DuckDB; re-scoring takes classification logits and "
+                            "detection boxes (segmentation runs re-score from their results files)")
+        data_overrides = [o for o in overrides if o.startswith(DATA_PREFIXES) and not o.startswith("data.annotations=")]
+        if data_overrides and manifest["task"] not in DETECTION:
             check_identity(manifest, _requested_data(data_overrides), store)
     except DistevalError as exc:
         print(f"disteval.rescore: {exc}", file=sys.stderr)

@@ -170,9 +170,10 @@ def _table(run_dir: Path):
     return table
 
 
-def test_detection_store_holds_each_images_detections(tmp_path):
-    """A COCO replay at W=2: one row per image with the results file's boxes (xywh -> xyxy), scores and
-    category ids, compared per image with the file read by json and numpy."""
+def test_detection_store_holds_each_images_detections_and_rescores(tmp_path):
+    """A COCO replay at W=2: one row per image with the results file's boxes (xywh), scores and category ids,
+    compared per image with the file read by json; re-scored at W=3 from the store alone its metrics are
+    the writer's (==); scored against another annotation file it is refused naming data.annotations."""
     from disteval.data.coco_synthetic import make_synthetic_coco
 
     gt, dt = make_synthetic_coco(tmp_path, num_images=40, num_categories=5, dets_per_image=9, seed=4)
@@ -187,13 +188,17 @@ def test_detection_store_holds_each_images_detections(tmp_path):
     for d in json.loads(dt.read_text()):
         want.setdefault(d["image_id"], []).append(d)
     for row in table.to_pylist():
-        dets = want.get(row["image_id"], [])
-        xywh = np.array([d["bbox"] for d in dets], dtype=np.float32).reshape(-1, 4)
-        xyxy = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
-        got = np.array(row["boxes"], dtype=np.float32).reshape(-1, 4)
-        key = lambda b, s, c: sorted(zip(np.float32(s).tolist(), list(c), b.tolist()))  # noqa: E731
-        assert key(got, row["scores"], row["labels"]) == key(xyxy, [d["score"] for d in dets],
-                                                              [d["category_id"] for d in dets])
+        dets = want.get(row["image_id"], [])  # in file order, as the replay gives them
+        assert row["bbox"] == [d["bbox"] for d in dets] and row["scores"] == [d["score"] for d in dets]
+        assert row["labels"] == [d["category_id"] for d in dets]
+        assert row["area"] == [d["bbox"][2] * d["bbox"][3] for d in dets]  # loadRes' area of a box
+    rescored = _rescore(tmp_path / "run", tmp_path / "rescored", "dist.world_size=3")
+    assert rescored.returncode == 0, rescored.stderr[-3000:]
+    assert load_results(tmp_path / "rescored")["metrics"] == load_results(tmp_path / "run")["metrics"]
+    other, _ = make_synthetic_coco(tmp_path / "other", num_images=40, num_categories=5, dets_per_image=9, seed=5)
+    refused = _rescore(tmp_path / "run", tmp_path / "refused", f"data.annotations={other}")
+    assert refused.returncode == 2 and "data.annotations" in refused.stderr and "not the annotation file" in \
+        " ".join(refused.stderr.split()), refused.stderr[-2000:]
 
 
 @pytest.mark.skipif(not (Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "coco").is_dir(),
@@ -217,6 +222,8 @@ def test_segmentation_store_sums_to_the_runs_confusion(tmp_path):
     assert abs(np.mean(tp[union > 0] / union[union > 0]) - metrics["mIoU"]) < 1e-12
     for row in table.slice(0, 5).to_pylist():
         assert len(row["label_map"]) == row["height"] * row["width"] >= sum(row["confusion"]) > 0
+    refused = _rescore(tmp_path / "seg", tmp_path / "rescored")  # counts, not outputs: read them, not re-scored
+    assert refused.returncode == 2 and "a semseg_replay store" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_embedding_store_is_the_same_at_every_world_size(tmp_path):

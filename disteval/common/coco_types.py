@@ -48,3 +48,9 @@ def detections_from_arrays(image, category, score, box, area, rle=None) -> Detec
         order[srt] = np.arange(len(srt)) - np.repeat(starts, counts)
     return DetectionShard(image.astype(np.int64), category.astype(np.int64), score.astype(np.float64),
                           box.astype(np.float64).reshape(-1, 4), area.astype(np.float64), order, rle)
+
+
+def xyxy_to_xywh(boxes: np.ndarray) -> np.ndarray:
+    """float [n, 4] (x1, y1, x2, y2) pixels -> float64 [n, 4] (x, y, w, h), computed in float64."""
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    return np.stack([b[:, 0], b[:, 1], b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]], axis=1)

@@ -14,33 +14,36 @@ from typing import Any
 import numpy as np
 import torch
 
+from disteval.common.coco_types import xyxy_to_xywh
+
 
 def detection_schema():
-    """sample_id int64, image_id int64 (COCO), boxes list<fixed_size_list<float32, 4>> (x1, y1, x2, y2 in
-    pixels, as torchvision detectors give them), scores list<float32>, labels list<int64> (category ids)."""
+    """sample_id int64, image_id int64 (COCO), and per image what the COCO metric evaluates, in a COCO results
+    file's terms: bbox list<fixed_size_list<float64, 4>> (x, y, w, h pixels), scores list<float64>, labels
+    list<int64> (category ids), area list<float64> (the area matched against the area ranges). Re-scoring feeds
+    these back unchanged, so a detection store re-scores to the writer's bits."""
     import pyarrow as pa
 
     return pa.schema([("sample_id", pa.int64()), ("image_id", pa.int64()),
-                      ("boxes", pa.list_(pa.list_(pa.float32(), 4))), ("scores", pa.list_(pa.float32())),
-                      ("labels", pa.list_(pa.int64()))])
+                      ("bbox", pa.list_(pa.list_(pa.float64(), 4))), ("scores", pa.list_(pa.float64())),
+                      ("labels", pa.list_(pa.int64())), ("area", pa.list_(pa.float64()))])
 
 
 def detection_columns(outputs: list[dict], image_ids: np.ndarray, ids: torch.Tensor) -> dict[str, Any]:
-    """One batch of detections: ``outputs`` B dicts with ``boxes`` [n, 4] xyxy (or ``bbox`` [n, 4] xywh, as a
-    COCO results file has them), ``scores`` [n], ``labels`` [n]; ``image_ids`` int64 [B] (COCO ids);
-    ``ids`` int64 [B] global sample ids."""
-    boxes, scores, labels = [], [], []
+    """One batch of detections: ``outputs`` B dicts with ``boxes`` [n, 4] xyxy (torchvision detectors) or
+    ``bbox`` [n, 4] xywh (a results file), ``scores`` [n], ``labels`` [n], optionally ``area`` [n]; boxes
+    converted to xywh in float64 and the area taken (or computed as w * h) as ``CocoDetectionMetric`` does;
+    ``image_ids`` int64 [B] (COCO ids); ``ids`` int64 [B] global sample ids."""
+    boxes, scores, labels, areas = [], [], [], []
     for out in outputs:
-        if "boxes" in out:
-            b = _np(out["boxes"]).astype(np.float32).reshape(-1, 4)
-        else:  # xywh -> xyxy
-            b = np.asarray(out["bbox"], dtype=np.float32).reshape(-1, 4).copy()
-            b[:, 2:] += b[:, :2]
+        b = (np.asarray(out["bbox"], dtype=np.float64).reshape(-1, 4) if "bbox" in out
+             else xyxy_to_xywh(_np(out["boxes"])))
         boxes.append(b)
-        scores.append(_np(out["scores"]).astype(np.float32).reshape(-1))
+        scores.append(_np(out["scores"]).astype(np.float64).reshape(-1))
         labels.append(_np(out["labels"]).astype(np.int64).reshape(-1))
+        areas.append(np.asarray(out["area"], dtype=np.float64).reshape(-1) if "area" in out else b[:, 2] * b[:, 3])
     return {"sample_id": _np(ids).astype(np.int64), "image_id": np.asarray(image_ids, dtype=np.int64),
-            "boxes": boxes, "scores": scores, "labels": labels}
+            "bbox": boxes, "scores": scores, "labels": labels, "area": areas}
 
 
 def segmentation_schema(num_classes: int, label_maps: bool):

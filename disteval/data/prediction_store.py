@@ -103,22 +103,13 @@ def check_identity(manifest: dict, data_cfg: Any, store: str | Path) -> None:
                           + " (re-score with the data settings of the run that wrote it)")
 
 
-def load_store(store: str | Path) -> tuple[Any, dict]:
-    """(dataset, manifest): the stored predictions as an ``IndexedDataset`` of ``(logits float32 [C], target
-    int64, sample_id)`` in sample-id order 0..N-1 (batches are cut straight out of the tensors), and the
-    manifest. Every rank file is checked against its manifest entry (present, sha256, row count) and the ids
-    must be exactly 0..N-1 once. Raises DataError naming the file or the sample ids."""
+def read_tables(store: str | Path, manifest: dict, columns: list[str]) -> tuple[list, np.ndarray]:
+    """(every rank file's pyarrow Table of ``columns``, the permutation that orders their rows by sample id).
+    Each file is checked against its manifest entry (present, sha256, row count) and the ids must be exactly
+    0..N-1 once. Raises DataError naming the file or the sample ids."""
     import pyarrow.parquet as pq
-    from torch.utils.data import TensorDataset
 
-    from disteval.data.datasets import IndexedDataset
-
-    store = Path(store)
-    manifest = read_manifest(store)
-    if not manifest["settings"].get("logits"):
-        raise DataError(f"{store / MANIFEST}: the store holds top-{manifest['settings']['topk']} classes only; "
-                        "re-scoring needs the logits (write it with eval.predictions.logits=true)")
-    tables = []
+    store, tables = Path(store), []
     for entry in manifest["files"]:
         path = store / entry["path"]
         if not path.is_file():
@@ -127,7 +118,7 @@ def load_store(store: str | Path) -> tuple[Any, dict]:
             raise DataError(f"{path}: rank {entry['rank']}'s prediction file does not match its manifest entry "
                             "(sha256 differs: corrupt or replaced)")
         try:
-            table = pq.read_table(path, columns=["sample_id", "target", "logits"])
+            table = pq.read_table(path, columns=columns)
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DataError(f"{path}: unreadable Parquet file: {exc}") from None
         if table.num_rows != entry["rows"]:
@@ -140,9 +131,68 @@ def load_store(store: str | Path) -> tuple[Any, dict]:
         missing = np.setdiff1d(np.arange(n), ids)[:8].tolist()
         raise DataError(f"{store}: the rank files hold {len(ids)} predictions for {n} samples (missing ids "
                         f"{missing}, or duplicates)")
+    return tables, order
+
+
+def load_store(store: str | Path) -> tuple[Any, dict]:
+    """(dataset, manifest): the stored predictions as an ``IndexedDataset`` of ``(logits float32 [C], target
+    int64, sample_id)`` in sample-id order 0..N-1 (batches are cut straight out of the tensors), and the
+    manifest. Raises DataError naming a missing, corrupt or short rank file or missing sample ids
+    (``read_tables``), or a store without logits."""
+    from torch.utils.data import TensorDataset
+
+    from disteval.data.datasets import IndexedDataset
+
+    store = Path(store)
+    manifest = read_manifest(store)
+    if not manifest["settings"].get("logits"):
+        raise DataError(f"{store / MANIFEST}: the store holds top-{manifest['settings']['topk']} classes only; "
+                        "re-scoring needs the logits (write it with eval.predictions.logits=true)")
+    tables, order = read_tables(store, manifest, ["sample_id", "target", "logits"])
     c = int(manifest["settings"]["num_classes"])
     logits = np.concatenate([t.column("logits").combine_chunks().flatten().to_numpy() for t in tables])
     targets = np.concatenate([t.column("target").to_numpy() for t in tables])
     base = TensorDataset(torch.from_numpy(np.ascontiguousarray(logits.reshape(-1, c)[order], dtype=np.float32)),
                          torch.from_numpy(np.ascontiguousarray(targets[order], dtype=np.int64)))
     return IndexedDataset(base, None), manifest
+
+
+class StoredDetections:
+    """A detection store (``prediction_columns.detection_schema``) as the replay's dataset: item i is ``(dict
+    bbox float64 [n, 4] xywh, scores float64 [n], labels int64 [n], area float64 [n]; image index i; sample id
+    i)``, exactly what the writer's metric evaluated. Raises DataError as ``read_tables``, or when the store
+    is not of detections."""
+
+    def __init__(self, store: str | Path):
+        manifest = read_manifest(store)
+        if manifest.get("task") not in ("detection", "replay"):
+            raise DataError(f"{Path(store) / MANIFEST}: a {manifest.get('task')} store, not detections")
+        tables, order = read_tables(store, manifest, ["sample_id", "bbox", "scores", "labels", "area"])
+        rows = [r for t in tables for r in t.to_pylist()]
+        self.rows = [rows[i] for i in order]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        r = self.rows[index]
+        out = {"bbox": np.asarray(r["bbox"], dtype=np.float64).reshape(-1, 4),
+               "scores": np.asarray(r["scores"], dtype=np.float64), "labels": np.asarray(r["labels"], dtype=np.int64),
+               "area": np.asarray(r["area"], dtype=np.float64)}
+        return out, index, index
+
+
+def check_detection_store(store: str | Path, annotations: str, iou_type: str) -> None:
+    """A detection store re-scored against ``annotations``: it must hold detections of boxes (``iou_type``
+    bbox: a store keeps no masks) and have been written against the same annotation file (sha256). Raises
+    ConfigError naming the key, DataError naming the manifest."""
+    manifest = read_manifest(store)
+    if manifest.get("task") not in ("detection", "replay"):
+        raise DataError(f"{Path(store) / MANIFEST}: a {manifest.get('task')} store, not detections")
+    if str(iou_type) != "bbox" or manifest["settings"].get("iou_type") != "bbox":
+        raise ConfigError("eval.iou_type", "a prediction store keeps boxes, not masks: re-score segm results from "
+                          "the run's COCO results files (ranks/rank*/predictions.json)")
+    have = manifest["data"].get("annotations_sha256")
+    if have != file_sha256(Path(annotations)):
+        raise ConfigError("data.annotations", f"{annotations} is not the annotation file the store was scored "
+                          f"against ({manifest['data'].get('annotations')}, {have})")

@@ -12,18 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from disteval.common.coco_types import detections_from_arrays
+from disteval.common.coco_types import detections_from_arrays, xyxy_to_xywh
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
 from disteval.metrics.coco_bootstrap import ImageResampler, coco_intervals, image_npig
 from disteval.metrics.coco_eval import (AREA_RNG, RECORD_DTYPE, STAT_NAMES, DetectionShard, accumulate, match_shard,
                                         per_category_ap, summarize)
-
-
-def xyxy_to_xywh(boxes: np.ndarray) -> np.ndarray:
-    """float [n, 4] (x1, y1, x2, y2) pixels -> float64 [n, 4] (x, y, w, h), computed in float64."""
-    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-    return np.stack([b[:, 0], b[:, 1], b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]], axis=1)
 
 
 class CocoDetectionMetric(Metric):

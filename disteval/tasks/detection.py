@@ -13,6 +13,7 @@ from disteval.data.coco import load_detections, load_ground_truth
 from disteval.data.coco_wire import load_detections_shared
 from disteval.data.coco_datasets import CocoImages, ReplayImages, collate_images
 from disteval.data.prediction_columns import detection_columns, detection_schema
+from disteval.data.prediction_store import StoredDetections, check_detection_store
 from disteval.errors import ConfigError
 from disteval.metrics.detection import CocoDetectionMetric
 from disteval.models.builders import prefetch_torchvision_weights
@@ -146,6 +147,9 @@ class CocoReplayTask(_CocoTask):
         if not self.cfg.data.predictions:
             raise ConfigError("data.predictions", "data.name=coco_replay needs data.predictions=PATH "
                               "(a COCO results JSON)")
+        if Path(self.cfg.data.predictions).is_dir():  # a prediction store (python -m disteval.rescore)
+            check_detection_store(self.cfg.data.predictions, self.cfg.data.annotations, self.cfg.eval.iou_type)
+            return
         if not len(load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type).score):
             notes.append(f"data.predictions={self.cfg.data.predictions} holds no detections: every AP and AR is 0 "
                          "(-1 where no ground truth exists); was the right results file passed?")
@@ -153,6 +157,8 @@ class CocoReplayTask(_CocoTask):
     def dataset(self):
         """The results file is parsed once, on rank 0, and its detections shared with the other ranks
         (``disteval.data.coco_wire``); a malformed file raises the same DataError on every rank."""
+        if Path(self.cfg.data.predictions).is_dir():
+            return StoredDetections(self.cfg.data.predictions)
         dets = load_detections_shared(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type, self.rank,
                                       self.share)
         how = "parsed here" if self.rank == 0 or self.share is None else "received from rank 0"
