@@ -592,9 +592,7 @@ class DistevalConfig:
                  (self.eval.trials > 1, "eval.trials", "repeated trials of several checkpoints"),
                  (self.dist.parallel.enabled, "dist.parallel",
                   "a device mesh shards one model"),
-                 (self.eval.exclude_outlier_ranks, "eval.exclude_outlier_ranks", "one local accuracy per rank"),
-                 (self.eval.save_predictions, "eval.save_predictions", "one prediction store per checkpoint"),
-                 (self.eval.ci.resamples > 0, "eval.ci.resamples", "intervals per checkpoint")]
+                 (self.eval.exclude_outlier_ranks, "eval.exclude_outlier_ranks", "one local accuracy per rank")]
         for on, key, what in clash:
             if on:
                 raise ConfigError("model.checkpoints", f"cannot be combined with {key} ({what} is not supported); "

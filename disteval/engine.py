@@ -41,7 +41,8 @@ from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
 from disteval.metrics.bootstrap import SampleColumns, intervals
-from disteval.predictions import PredictionHook, SampleStatsHook, weights_digest, write_manifest
+from disteval.models.checkpoint_set import with_checkpoint
+from disteval.predictions import PredictionHook, SampleStatsHook, store_record, weights_digest
 from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
                               write_results)
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -105,7 +106,10 @@ class RankRun:
         self.canary: dict | None = None
         self.store = self._store()
         ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.logits_per_sample
-        self.stats = SampleStatsHook(self._sample_columns()) if ci_on else None
+        self.stats = None
+        if ci_on:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
+            self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(self._sample_columns()) for m in self.members})
+                          if self.members else SampleStatsHook(self._sample_columns()))
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -130,6 +134,10 @@ class RankRun:
         schema = self.task.prediction_schema() if self.ctx.cfg.eval.get("save_predictions") else None
         if schema is None:
             return None
+        if self.members:
+            return model_set.MemberHooks({m.name: PredictionHook(str(model_set.member_dir(self.ctx.run_dir, m)),
+                                                                 self.ctx.rank, schema, self.task.prediction_columns)
+                                          for m in self.members})
         return PredictionHook(self.ctx.run_dir, self.ctx.rank, schema, self.task.prediction_columns)
 
     def check_canary(self) -> dict:
@@ -266,19 +274,27 @@ class RankRun:
         return out
 
     def _intervals(self) -> dict | None:
+        """The bootstrap intervals of the per-sample rows (``_intervals_of``); {name: intervals} for the
+        checkpoints of a ``model.checkpoints`` job (one gather each, in the set's order); None off rank 0."""
+        if not self.members:
+            return self._intervals_of(self.stats)
+        out = {name: self._intervals_of(hook) for name, hook in self.stats.hooks.items()}
+        return out if self.ctx.rank == 0 else None
+
+    def _intervals_of(self, stats: SampleStatsHook) -> dict | None:
         """Every rank's per-sample rows to rank 0 (one gather), which computes the bootstrap intervals
         (``disteval.metrics.bootstrap``); None on the other ranks."""
         ctx, ci = self.ctx, self.ctx.cfg.eval.ci
         ctx.status.update(in_collective={"op": "bootstrap_gather", "since": time.time()}, force=True)
         try:
-            parts = ctx.comm.gather_variable(self.stats.rows(), dst=0) if ctx.world_size > 1 else [self.stats.rows()]
+            parts = ctx.comm.gather_variable(stats.rows(), dst=0) if ctx.world_size > 1 else [stats.rows()]
         finally:
             ctx.status.update(in_collective=None)
         if parts is None:
             return None
         t0 = time.perf_counter()
-        out = intervals(torch.cat(parts).numpy(), self.stats.cols, int(ci.resamples), float(ci.level), int(ci.seed))
-        if "ranking" in self.ctx.cfg.eval.metrics and not self.stats.cols.probs:
+        out = intervals(torch.cat(parts).numpy(), stats.cols, int(ci.resamples), float(ci.level), int(ci.seed))
+        if "ranking" in self.ctx.cfg.eval.metrics and not stats.cols.probs:
             out["not_computed"] = [f"auroc_macro: {self.task.num_classes} classes (the interval gathers every "
                                    f"sample's probabilities, done up to {CI_PROBS_MAX_CLASSES} classes)"]
         out["seconds"] = time.perf_counter() - t0
@@ -357,14 +373,19 @@ class RankRun:
             out["coverage"], out["metrics"] = cov, final.metric.compute()
             ci = cfg.eval.get("ci") or {}
             if int(ci.get("resamples", 0) or 0) > 0 and self.stats is None and not self.outcomes:
-                t0 = time.perf_counter()
-                out["intervals"] = self.task.confidence_intervals(final.metric, int(ci.resamples), float(ci.level),
-                                                                  int(ci.seed))
-                if out["intervals"] is not None:
-                    out["intervals"]["seconds"] = time.perf_counter() - t0
+                out["intervals"] = self._task_intervals(final.metric, ci)
             if kept_runs is not None:
                 out["exclusion"] = self._exclusion_record(drop, kept_runs, synced.rows, ev.metric.compute())
         return out
+
+    def _task_intervals(self, metric, ci) -> dict | None:
+        """``Task.confidence_intervals`` of the synchronised metric (rank 0), with its seconds; {name: ...}
+        per checkpoint of a ``model.checkpoints`` job."""
+        def one(m):
+            t0 = time.perf_counter()
+            out = self.task.confidence_intervals(m, int(ci.resamples), float(ci.level), int(ci.seed))
+            return None if out is None else dict(out, seconds=time.perf_counter() - t0)
+        return {n: one(m) for n, m in metric.metrics.items()} if self.members else one(metric)
 
     def _exclusion_record(self, drop: list[int], kept_runs, rows: list[dict], all_metrics: dict) -> dict:
         """What ``eval.exclude_outlier_ranks`` left out: ranks, hosts, their shards and sample count, and the
@@ -414,15 +435,7 @@ class RankRun:
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
         if self.store is not None:
-            path = write_manifest(ctx.run_dir, cfg, {
-                "task": self.task.name, "num_samples": len(self.dataset),
-                "num_classes": getattr(self.task, "num_classes", None), "weights_digest": weights_digest(self.model),
-                "columns": [f"{f.name}: {f.type}" for f in self.store.schema]}, [r["predictions"] for r in last["rows"]])
-            results["predictions"] = {"manifest": str(path.relative_to(ctx.run_dir)),
-                                      "rows": sum(int(r["predictions"]["rows"]) for r in last["rows"]),
-                                      "seconds": max(float(r["predictions"]["seconds"]) for r in last["rows"]),
-                                      "import_seconds": max(float(r["predictions"]["import_seconds"])
-                                                            for r in last["rows"])}
+            results["predictions"] = self._store_record([r["predictions"] for r in last["rows"]])
         if self.members:
             return self._finish_members(results)
         write_results(ctx.run_dir, results)
@@ -430,6 +443,21 @@ class RankRun:
         report.print_intervals(results.get("confidence_intervals"))
         report.print_warnings(results.get("warnings") or [])
         return results
+
+    def _store_record(self, entries: list[dict]) -> dict:
+        """The store's manifest(s) and results.json ``predictions``; a job of several checkpoints has one store
+        per checkpoint under ``checkpoints/<name>/`` ({name: record})."""
+        cfg, run_dir = self.ctx.cfg, Path(self.ctx.run_dir)
+
+        def identity(net) -> dict:
+            return {"task": self.task.name, "num_samples": len(self.dataset), "weights_digest": weights_digest(net),
+                    "num_classes": getattr(self.task, "num_classes", None),
+                    "columns": [f"{f.name}: {f.type}" for f in self.task.prediction_schema()]}
+        if not self.members:
+            return store_record(run_dir, cfg, identity(self.model), entries)
+        return {m.name: store_record(run_dir / model_set.RESULTS_DIR / m.name, with_checkpoint(cfg, m.path),
+                                     identity(self.model.members[m.name]), [e[m.name] for e in entries])
+                for m in self.members}
 
     def _finish_members(self, results: dict) -> dict:
         """A job of several checkpoints: each member's results.json, the job's with ``checkpoints`` blocks
@@ -442,6 +470,8 @@ class RankRun:
         report.print_checkpoint_table([b["name"] for b in blocks],
                                       [self.task.console_section(b["metrics"]) for b in blocks])
         report.print_metrics(dict(results, metrics={}), ([], [], []))  # the job's throughput, times, ranks
+        for b in blocks:
+            report.print_intervals(b.get("confidence_intervals"), label=b["name"])
         report.print_warnings(results.get("warnings") or [])
         return results
 

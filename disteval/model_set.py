@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from disteval.errors import ConfigError
+from disteval.loop import LoopHook
 from disteval.metrics.collection import PerModelMetrics
 from disteval.models.checkpoint_set import Member, ModelSet, expand_checkpoints, with_checkpoint
 from disteval.records import atomic_write_json
@@ -51,6 +52,32 @@ def member_step(step: Callable[[Any, Any], Any]) -> Callable[[ModelSet, Any], tu
     return lambda models, inputs: tuple(step(net, inputs) for net in models.members.values())
 
 
+class MemberHooks(LoopHook):
+    """One loop hook per member (the prediction store, the per-sample rows of the intervals), each given its
+    member's outputs of the batch (``member_step``'s tuple, in order); ``hooks`` {name: hook}."""
+
+    def __init__(self, hooks: dict[str, LoopHook]):
+        self.hooks = hooks
+
+    def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
+        for hook, out in zip(self.hooks.values(), outputs):
+            hook.after_outputs(out, targets, ids)
+
+    def after_loop(self, progress: Any) -> None:
+        for hook in self.hooks.values():
+            hook.after_loop(progress)
+
+    @property
+    def entry(self) -> dict:
+        """{name: the member's store entry} (``PredictionHook.entry``) for the synchronised rows."""
+        return {name: hook.entry for name, hook in self.hooks.items()}
+
+
+def member_dir(run_dir: str | Path, member: Member) -> Path:
+    """``RUN_DIR/checkpoints/<name>``: where a member's results.json and prediction store go."""
+    return Path(run_dir) / RESULTS_DIR / member.name
+
+
 def member_metrics(task: Task, members: list[Member]) -> PerModelMetrics:
     """A fresh metric of the task for each member, by member name."""
     return PerModelMetrics({m.name: task.metric() for m in members})
@@ -65,10 +92,11 @@ def write_member_results(results: dict, members: list[Member], digests: dict[str
     run_dir, blocks = Path(results["run_dir"]), []
     for m in members:
         rel = Path(RESULTS_DIR) / m.name / "results.json"
-        own = dict(results, metrics=results["metrics"][m.name],
+        per = {k: results[k][m.name] for k in ("predictions", "confidence_intervals") if results.get(k)}
+        own = dict(results, metrics=results["metrics"][m.name], **per,
                    model=dict(results["model"], checkpoint=m.path, member=m.name, weights_digest=digests.get(m.name)),
                    checkpoint_set={"job": "../../results.json", "members": [x.name for x in members]})
         atomic_write_json(run_dir / rel, own)
         blocks.append({"name": m.name, "path": m.path, "weights_digest": digests.get(m.name),
-                       "metrics": results["metrics"][m.name], "results": str(rel), "own": own})
+                       "metrics": results["metrics"][m.name], "results": str(rel), "own": own, **per})
     return blocks

@@ -114,3 +114,12 @@ def _annotations(data: Any) -> dict:
     re-scoring checks that it scores against the same file."""
     path = data.get("annotations")
     return {"annotations": str(Path(path).resolve()), "annotations_sha256": file_sha256(Path(path))} if path else {}
+
+
+def store_record(run_dir: str | Path, cfg: Any, identity: dict, entries: list[dict]) -> dict:
+    """Write the store's manifest (``write_manifest``) and return results.json ``predictions``: {manifest (path
+    relative to ``run_dir``), rows, seconds (the slowest rank's own store time), import_seconds}."""
+    path = write_manifest(str(run_dir), cfg, identity, entries)
+    return {"manifest": str(path.relative_to(run_dir)), "rows": sum(int(e["rows"]) for e in entries),
+            "seconds": max(float(e["seconds"]) for e in entries),
+            "import_seconds": max(float(e["import_seconds"]) for e in entries)}

@@ -164,14 +164,14 @@ def print_warnings(warnings: list[str], console: Console | None = None) -> None:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True, highlight=False)
 
 
-def print_intervals(ci: dict | None, console: Console | None = None) -> None:
+def print_intervals(ci: dict | None, console: Console | None = None, label: str | None = None) -> None:
     """One line with results.json ``confidence_intervals`` (``eval.ci.resamples`` > 0): each metric's bootstrap
-    interval at its level."""
+    interval at its level; ``label`` (a checkpoint's name) leads the line."""
     if not ci:
         return
     console = console or Console()
     parts = [f"{k} [{v['low']:.4f}, {v['high']:.4f}]" for k, v in ci.items() if isinstance(v, dict)]
-    console.print(f"{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} {ci.get('unit', 'samples')} ({ci['resamples']} "
+    console.print(f"{label + ': ' if label else ''}{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} {ci.get('unit', 'samples')} ({ci['resamples']} "
                   f"resamples, seed {ci['seed']}): " + ", ".join(parts), soft_wrap=True, highlight=False)
 
 

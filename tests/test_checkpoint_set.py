@@ -2,8 +2,11 @@
 metrics of its own one-checkpoint job (at another world size: bitwise mode), the per-checkpoint results files,
 and bad sets refused before any rank starts, naming the key or the file."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -17,6 +20,7 @@ from disteval.testing.checkpoints import perturbed_checkpoints
 
 SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "digits_cnn.pt"
 JOB = ("+experiment=digits", "eval.progress=false")
+KEEP = ("eval.save_predictions=true", "eval.predictions.logits=true", "eval.ci.resamples=100")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def checkpoints(tmp_path_factory) -> list[Path]:
 
 def test_each_checkpoint_equals_its_own_job(checkpoints, tmp_path):
     pattern = str(checkpoints[0].parent / "step_*.pt")
-    proc = run_disteval(*JOB, f"model.checkpoints={pattern}", "dist.world_size=2", run_dir=tmp_path / "set")
+    proc = run_disteval(*JOB, *KEEP, f"model.checkpoints={pattern}", "dist.world_size=2", run_dir=tmp_path / "set")
     assert proc.returncode == 0, proc.stderr[-3000:]
     job = load_results(tmp_path / "set")
     names = [b["name"] for b in job["checkpoints"]]
@@ -35,20 +39,36 @@ def test_each_checkpoint_equals_its_own_job(checkpoints, tmp_path):
     assert "3 checkpoints on the same samples and batches" in proc.stdout
     for path, block in zip(checkpoints, job["checkpoints"]):
         own_dir = tmp_path / f"own_{path.stem}"
-        one = run_disteval(*JOB, f"model.checkpoint={path}", "dist.world_size=1", run_dir=own_dir)
+        one = run_disteval(*JOB, *KEEP, f"model.checkpoint={path}", "dist.world_size=1", run_dir=own_dir)
         assert one.returncode == 0, one.stderr[-3000:]
         own = load_results(own_dir)
         assert block["metrics"] == own["metrics"] == job["metrics"][block["name"]]
         assert block["path"] == str(path)
         member = json.loads((tmp_path / "set" / block["results"]).read_text())
         assert member["metrics"] == own["metrics"] and member["model"]["checkpoint"] == str(path)
+        # its intervals and its prediction store are those of its own job
+        ci = {k: v for k, v in block["confidence_intervals"].items() if k != "seconds"}
+        assert ci == {k: v for k, v in own["confidence_intervals"].items() if k != "seconds"}
+        store = tmp_path / "set" / "checkpoints" / block["name"] / "predictions"
+        assert pq.read_table(store).sort_by("sample_id").equals(pq.read_table(own_dir / "predictions").sort_by("sample_id"))
+        manifests = [json.loads((d / "_manifest.json").read_text())["model"] for d in (store, own_dir / "predictions")]
+        assert manifests[0]["weights_digest"] == manifests[1]["weights_digest"] == block["weights_digest"]
+        assert manifests[0]["checkpoint"] == str(path)
+    # two checkpoints of the job compared on their stores, as two runs
+    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(tmp_path / "set/checkpoints/step_0"),
+                          str(tmp_path / "set/checkpoints/step_2"), "--significance", "--json", "--resamples", "200"],
+                         capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 1, cmp.stderr[-2000:]
+    assert json.loads(cmp.stdout)["significance"]["samples"] == job["dataset"]["num_samples"]
     # the three networks really differ (a set that forwarded one network three times would fail here)
     assert len({b["weights_digest"] for b in job["checkpoints"]}) == 3
     assert len({b["metrics"]["nll"] for b in job["checkpoints"]}) == 3
-    # one sync for all: the collectives of a one-checkpoint job at the same world size
-    single = run_disteval(*JOB, f"model.checkpoint={checkpoints[0]}", "dist.world_size=2", run_dir=tmp_path / "w2")
-    assert single.returncode == 0, single.stderr[-3000:]
-    assert job["comm"]["collectives"] == load_results(tmp_path / "w2")["comm"]["collectives"]
+    # one sync for all: without stores and intervals, the collectives of a one-checkpoint job at the same W
+    for name, spec in (("bare_set", f"model.checkpoints={pattern}"), ("bare_one", f"model.checkpoint={checkpoints[0]}")):
+        proc = run_disteval(*JOB, spec, "dist.world_size=2", run_dir=tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_results(tmp_path / "bare_set")["comm"]["collectives"] == \
+        load_results(tmp_path / "bare_one")["comm"]["collectives"]
 
 
 def test_a_checkpoint_that_does_not_fit_is_named_before_ranks_start(checkpoints, tmp_path):
@@ -78,8 +98,8 @@ def test_sets_that_cannot_be_expanded_or_combined_are_refused(checkpoints, tmp_p
             expand_checkpoints(spec)
         assert info.value.key == "model.checkpoints"
     two = [str(checkpoints[0]), str(checkpoints[1])]
-    for key, value in {"eval.save_predictions": True, "eval.trials": 2, "model.checkpoint": str(checkpoints[0]),
-                       "eval.ci.resamples": 100, "eval.exclude_outlier_ranks": True}.items():
+    for key, value in {"eval.trials": 2, "model.checkpoint": str(checkpoints[0]),
+                       "eval.exclude_outlier_ranks": True}.items():
         group, _, leaf = key.rpartition(".")
         cfg = {"model": {"checkpoints": two}, "eval": {}}
         node = cfg
