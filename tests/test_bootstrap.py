@@ -23,7 +23,8 @@ def test_intervals_identical_at_every_world_size_and_equal_to_scipy(tmp_path):
            "eval.ci.seed=11", "eval.progress=false")
     got = {}
     for w in (1, 2, 3):
-        extra = ("eval.save_predictions=true", "eval.predictions.logits=true") if w == 1 else ()
+        extra = (("eval.save_predictions=true", "eval.predictions.logits=true") if w == 1 else
+                 ("data.num_workers=2",) if w == 3 else ())  # and with loader workers
         proc = run_disteval(*job, *extra, f"dist.world_size={w}", run_dir=tmp_path / f"w{w}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[w] = load_results(tmp_path / f"w{w}")["confidence_intervals"]
