@@ -79,3 +79,25 @@ def finish(name: str, rows: list[dict], problems: list[str], smoke: bool, consol
     write(name, rows, smoke)
     console.print("checks passed")
     return 0
+
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+def fashion_job_args(doc: str, console, world_size: int | None = 2):
+    """The command line of a benchmark of ``python -m disteval`` jobs on Fashion-MNIST: ``--repeats`` (default
+    3), ``--smoke`` (one repeat) and, unless ``world_size`` is None, ``--world-size`` (default ``world_size``).
+    Returns the parsed namespace, or None after saying so when Fashion-MNIST is not installed (the benchmark
+    then measures nothing and exits 0)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one repeat")
+    if world_size is not None:
+        parser.add_argument("--world-size", type=int, default=world_size, help="ranks of every job")
+    args = parser.parse_args()
+    if not any(FASHION.glob("t10k-*")):
+        console.print(f"Fashion-MNIST not found at {FASHION} (apt-get install dataset-fashion-mnist): nothing measured")
+        return None
+    return args

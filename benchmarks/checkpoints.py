@@ -13,7 +13,6 @@ a time): every run completes and each checkpoint's metrics in the one job are ==
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,6 @@ from rich.table import Table  # noqa: E402
 import _summary  # noqa: E402
 from disteval.testing.checkpoints import perturbed_checkpoints  # noqa: E402
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 SHIPPED = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "fashion_cnn.pt"
 
 
@@ -73,14 +71,9 @@ def measure(work: Path, ckpts: list[Path], world: int, repeats: int) -> tuple[li
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="one repeat")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks of every job")
-    args = parser.parse_args()
     console = Console()
-    if not any(FASHION.glob("t10k-*")):
-        console.print(f"Fashion-MNIST not found at {FASHION}: nothing measured")
+    args = _summary.fashion_job_args(__doc__, console, world_size=2)
+    if args is None:
         return 0
     with tempfile.TemporaryDirectory(prefix="disteval-ckpts-") as tmp:
         ckpts = make_checkpoints(Path(tmp))

@@ -23,7 +23,6 @@ run without the canary gives metrics == the same run with it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,7 +38,6 @@ from rich.table import Table  # noqa: E402
 
 import _summary  # noqa: E402
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 JOBS = {"default": [], "fashion_mnist": ["+experiment=fashion_mnist"]}
 DRILL = "cpu@1:capability=default"
 
@@ -140,13 +138,9 @@ def report(m: dict, console: Console, smoke: bool) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="one repeat")
-    args = parser.parse_args()
     console = Console()
-    if not any(FASHION.glob("t10k-*")):
-        console.print(f"Fashion-MNIST not found at {FASHION} (apt-get install dataset-fashion-mnist): nothing measured")
+    args = _summary.fashion_job_args(__doc__, console, world_size=None)
+    if args is None:
         return 0
     with tempfile.TemporaryDirectory(prefix="disteval-hetero-") as tmp:
         m = measure(Path(tmp), 1 if args.smoke else args.repeats, args.smoke)

@@ -16,7 +16,6 @@ its metrics are == the run without the store, the store holds 10,000 rows.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,7 +31,6 @@ from rich.table import Table  # noqa: E402
 
 import _summary  # noqa: E402
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 SETTINGS = {"none": [], "top-5": ["eval.save_predictions=true"],
             "top-5 + logits": ["eval.save_predictions=true", "eval.predictions.logits=true"]}
 
@@ -52,14 +50,9 @@ def run(work: Path, name: str, overrides: list[str]) -> tuple[dict, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="one repeat")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks of every run")
-    args = parser.parse_args()
     console = Console()
-    if not any(FASHION.glob("t10k-*")):
-        console.print(f"Fashion-MNIST not found at {FASHION}: nothing measured")
+    args = _summary.fashion_job_args(__doc__, console, world_size=2)
+    if args is None:
         return 0
     repeats = 1 if args.smoke else args.repeats
     runs: dict[str, list] = {k: [] for k in SETTINGS}
