@@ -35,9 +35,17 @@ AREA_LBL = ("all", "small", "medium", "large")
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 T, A = len(IOU_THRS), len(AREA_RNG)
 
-# one record per kept detection: what accumulate needs, 27 bytes, no pickle
-RECORD_DTYPE = np.dtype([("score", "<f8"), ("image", "<i4"), ("category", "<i4"), ("position", "u1"),
-                         ("tp", "u1", (T * A + 7) // 8), ("fp", "u1", (T * A + 7) // 8)])
+
+
+def record_dtype(areas: int) -> np.dtype:
+    """One record per kept detection, what ``accumulate`` needs (no pickle): score, image index, category
+    index, position in its image's score order, and its tp / fp bits for each (threshold, area range),
+    bit-packed row-major [T, areas]."""
+    return np.dtype([("score", "<f8"), ("image", "<i4"), ("category", "<i4"), ("position", "u1"),
+                     ("tp", "u1", (T * areas + 7) // 8), ("fp", "u1", (T * areas + 7) // 8)])
+
+
+RECORD_DTYPE = record_dtype(A)  # bbox and segm: 27 bytes
 
 
 def _area_out(area: np.ndarray) -> np.ndarray:
@@ -272,16 +280,19 @@ def _first_count_reaching(npig: np.ndarray) -> np.ndarray:
     return tau
 
 
-def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int) -> tuple[np.ndarray, np.ndarray]:
+def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int,
+               max_dets: tuple[int, ...] = MAX_DETS) -> tuple[np.ndarray, np.ndarray]:
     """pycocotools' accumulate from the records of every image. Returns ``(precision float64 [T, R, K, A, M],
-    recall float64 [T, K, A, M])``, -1 where undefined (no non-ignored ground truth).
+    recall float64 [T, K, A, M])``, -1 where undefined (no non-ignored ground truth). A (area ranges) is
+    ``npig``'s second dimension (4 for bbox/segm, 3 for keypoints) and M = len(``max_dets``) ((1, 10, 100);
+    keypoints (20,)).
 
     Computed from the true positives only, with the same float operations: recall at a detection is
     tp/npig, which first reaches a threshold at the tau-th true positive (``_first_count_reaching``);
     precision tp/(fp+tp+eps) is highest, to the right of any detection, at a true positive (it only rises
     there), so pycocotools' interpolated precision at recall threshold i is the running maximum from the
     right, over true positives, taken at the tau_i-th true positive."""
-    R, K, M = len(REC_THRS), num_categories, len(MAX_DETS)
+    R, K, M, A = len(REC_THRS), num_categories, len(max_dets), npig.shape[1]  # noqa: N806 - pycocotools' names
     precision = -np.ones((T, R, K, A, M))
     recall = -np.ones((T, K, A, M))
     order = np.lexsort((records["position"], records["image"], -records["score"], records["category"]))
@@ -303,7 +314,7 @@ def accumulate(records: np.ndarray, npig: np.ndarray, num_categories: int) -> tu
             np.unpackbits(r["tp"], axis=1, count=T * A).reshape(n, T, A)[:, :, areas].reshape(n, rows).T)
         fp_all = np.ascontiguousarray(
             np.unpackbits(r["fp"], axis=1, count=T * A).reshape(n, T, A)[:, :, areas].reshape(n, rows).T)
-        for m_i, max_det in enumerate(MAX_DETS):
+        for m_i, max_det in enumerate(max_dets):
             sel = r["position"] < max_det
             nd = int(sel.sum())
             tp_m, fp_m = (tp_all, fp_all) if nd == n else (tp_all[:, sel], fp_all[:, sel])
