@@ -547,7 +547,13 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
                         + (f" and {left_out} were excluded" if left_out else ""))
     if not res.get("exact", True):
         problems.append(f"the run is marked inexact (data.sampler={res.get('sampler')})")
-    if not any(k in m for k in ("top1", "AP", "auroc_macro", "accuracy")):
+    task = res.get("task") or {}
+    if res.get("checkpoints"):  # a job of several checkpoints: each block is checked in its own results.json
+        pass
+    elif "main_metric" in task:  # the task names it (Task.main_metric)
+        if task["main_metric"] not in m:
+            problems.append(f"metrics holds no main metric (task {task.get('name')} names {task['main_metric']!r})")
+    elif not any(k in m for k in ("top1", "AP", "auroc_macro", "accuracy")):  # records written before it was named
         problems.append("metrics holds no main metric (top1, AP or auroc_macro)")
     counted = sum(int(p.get("samples") or 0) for p in res.get("per_rank") or [])
     if res.get("exact", True) and (res.get("sampler") or "exact") == "exact" and n is not None and counted != n:

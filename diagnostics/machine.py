@@ -120,7 +120,10 @@ def probe_findings(probes: dict) -> list[Finding]:
                            f"{lat['payload_bytes']:,} bytes: {lat['payload_s'] * 1e3:.1f} ms; a timeout of at least "
                            f"{lat['suggested_timeout_s']:g} s fits", [Evidence(src, str(lat), field="latency")]))
     bal = probes.get("balance") or {}
-    if bal:
+    if bal.get("skipped"):
+        out.append(Finding("SHARDS", "probe.balance", "pass", f"not measured: {bal['skipped']}",
+                           [Evidence(src, str(bal), field="balance")]))
+    elif bal:
         times = bal["projected_s"]
         slow = max(range(len(times)), key=lambda r: times[r])
         med = sorted(times)[len(times) // 2]

@@ -6,8 +6,10 @@ does (torch.distributed.elastic), with the run's configuration, and measure
   largest recorded payload (3 calls, capped at 64 MiB), and a timeout that fits: max(30 s, 20 x the payload time);
 * shard balance: each rank times two batches of its own exact shard and projects its forward seconds;
 * cross-rank drift: the same canary batch (the dataset's first samples) on every rank; rank 0 compares the
-  logits of every rank with its own (max |difference|, argmax disagreements), for mixed hardware or a rank
-  that loaded other weights.
+  outputs of every rank with the reference (max |difference|; for logits, argmax disagreements), for mixed
+  hardware or a rank that loaded other weights.
+
+Data, model and step come from the run's Task, so every task family is probed (streamed data: no balance).
 
 Rank 0 writes ``OUT_DIR/probe.json``; nothing is written into the run's own records.
 """
@@ -34,10 +36,6 @@ def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
     from omegaconf import OmegaConf
 
     from disteval.comm import RankEnv, init_process_group
-    from disteval.common.ranges import batch_aligned_bounds, shard_bounds
-    from disteval.data import build_dataset
-    from disteval.faults import FaultPlan
-    from disteval.models import build_model, resolve_num_classes
 
     cfg = OmegaConf.create(cfg_container)
     env = RankEnv.from_env()
@@ -71,43 +69,80 @@ def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
     payload_s = statistics.median(big_times)
     out["latency"] = {"small_s": statistics.median(times), "payload_bytes": n * 8, "payload_s": payload_s,
                       "suggested_timeout_s": float(max(30, round(20 * payload_s * max(1.0, payload_bytes / (n * 8)))))}
-    if cfg.data.name not in ("coco", "coco_replay"):
-        dataset, data_classes = build_dataset(cfg.data)
-        num_classes = resolve_num_classes(cfg.model, data_classes)
-        model = build_model(cfg.model, num_classes, seed=cfg.seed).eval()
-        FaultPlan(env.rank).on_model(model)
-        bs = int(cfg.data.batch_size)
-        bitwise = str(cfg.eval.get("mode", "bitwise")) in ("bitwise", "Mode.bitwise")
-        start, end = (batch_aligned_bounds(len(dataset), bs, env.world_size, env.rank) if bitwise
-                      else shard_bounds(len(dataset), env.world_size, env.rank))
-        idx = list(range(start, min(end, start + 2 * bs)))
-        with torch.inference_mode():
-            t = time.perf_counter()
-            for i in range(0, len(idx), bs):
-                model(torch.stack([dataset[j][0] for j in idx[i:i + bs]]))
-            secs = time.perf_counter() - t
-            canary = torch.stack([dataset[j][0] for j in range(min(CANARY, len(dataset)))])
-            logits = model(canary).float().contiguous()
-        ips = len(idx) / secs if secs > 0 and idx else 0.0
-        row = torch.tensor([float(end - start), ips, (end - start) / ips if ips else 0.0], dtype=torch.float64)
-        rows = [torch.zeros_like(row) for _ in range(env.world_size)]
-        dist.all_gather(rows, row)
-        gathered = [torch.zeros_like(logits) for _ in range(env.world_size)]
-        dist.all_gather(gathered, logits)
-        out["balance"] = {"samples": [int(r[0]) for r in rows], "images_per_s": [float(r[1]) for r in rows],
-                          "projected_s": [float(r[2]) for r in rows]}
-        # the reference is the element-wise median over ranks (W >= 3), so a lone odd rank 0 is named as such;
-        # with two ranks there is no majority and the difference is reported against rank 0
-        ref = torch.stack(gathered).median(dim=0).values if env.world_size >= 3 else gathered[0]
-        out["drift"] = {"batch": int(ref.shape[0]), "tolerance": 1e-4,
-                        "reference": "median of ranks" if env.world_size >= 3 else "rank 0",
-                        "max_abs_logit_diff": [float((g - ref).abs().max()) if g.numel() else 0.0 for g in gathered],
-                        "argmax_disagreements": [int((g.argmax(1) != ref.argmax(1)).sum()) if g.numel() else 0
-                                                 for g in gathered]}
+    out.update(_task_probes(cfg, env))
     dist.barrier()
     if env.rank == 0:
         _write(out_dir, out)
     dist.destroy_process_group()
+
+
+def _task_probes(cfg, env) -> dict:
+    """Shard balance and cross-rank drift through the run's Task (``disteval.tasks``): its dataset, model,
+    collate and step, so every task family is probed alike. Each rank times two batches of its own exact shard;
+    the canary is the dataset's first ``CANARY`` samples through the task's step on every rank, its outputs
+    flattened (``disteval.canary.output_tensors``) and compared with the reference (the element-wise median over
+    ranks at W >= 3, else rank 0): max |difference| and, for logits [B, C], argmax disagreements. Streamed data
+    (no sample every rank can index) gives ``{"balance": {"skipped": why}}``."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import default_collate
+
+    from disteval.canary import output_tensors
+    from disteval.common.ranges import batch_aligned_bounds, shard_bounds
+    from disteval.data.streaming import StreamSource
+    from disteval.faults import FaultPlan
+    from disteval.tasks import resolve_task
+
+    task = resolve_task(cfg)(cfg)
+    task.join(env.rank, None)
+    dataset = task.dataset()
+    if isinstance(dataset, StreamSource):
+        return {"balance": {"skipped": "streamed data (tar shards): no sample every rank can index; see the run's "
+                            "own per-rank records"}}
+    device = torch.device("cpu")
+    model = task.model(device)
+    if model is not None:
+        FaultPlan(env.rank).on_model(model)
+    collate = task.collate_fn() or default_collate
+    bs = int(cfg.data.batch_size)
+    bitwise = str(cfg.eval.get("mode", "bitwise")) in ("bitwise", "Mode.bitwise")
+    start, end = (batch_aligned_bounds(len(dataset), bs, env.world_size, env.rank) if bitwise
+                  else shard_bounds(len(dataset), env.world_size, env.rank))
+    idx = list(range(start, min(end, start + 2 * bs)))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        for i in range(0, len(idx), bs):
+            task.step(model, collate([dataset[j] for j in idx[i:i + bs]])[0], device)
+        secs = time.perf_counter() - t
+        canary = collate([dataset[j] for j in range(min(CANARY, len(dataset)))])[0] if len(dataset) else None
+        outputs = task.step(model, canary, device) if canary is not None else None
+    tensors = output_tensors(outputs)
+    flat = torch.cat([x.double().reshape(-1) for x in tensors]) if tensors else torch.zeros(0, dtype=torch.float64)
+    ips = len(idx) / secs if secs > 0 and idx else 0.0
+    row = torch.tensor([float(end - start), ips, (end - start) / ips if ips else 0.0, float(flat.numel())],
+                       dtype=torch.float64)
+    rows = [torch.zeros_like(row) for _ in range(env.world_size)]
+    dist.all_gather(rows, row)
+    out = {"balance": {"samples": [int(r[0]) for r in rows], "images_per_s": [float(r[1]) for r in rows],
+                       "projected_s": [float(r[2]) for r in rows]}}
+    if len({int(r[3]) for r in rows}) > 1:  # other output sizes (e.g. another number of detections)
+        out["drift"] = {"batch": min(CANARY, len(dataset)), "tolerance": 1e-4, "reference": "rank 0",
+                        "max_abs_logit_diff": [float("inf") if int(r[3]) != int(rows[0][3]) else 0.0 for r in rows],
+                        "argmax_disagreements": [0] * env.world_size, "sizes": [int(r[3]) for r in rows]}
+        return out
+    gathered = [torch.zeros_like(flat) for _ in range(env.world_size)]
+    dist.all_gather(gathered, flat)
+    # the reference is the element-wise median over ranks (W >= 3), so a lone odd rank 0 is named as such;
+    # with two ranks there is no majority and the difference is reported against rank 0
+    ref = torch.stack(gathered).median(dim=0).values if env.world_size >= 3 else gathered[0]
+    logits = len(tensors) == 1 and tensors[0].ndim == 2 and tensors[0].is_floating_point()
+    shape = tensors[0].shape if logits else None
+    out["drift"] = {"batch": min(CANARY, len(dataset)), "tolerance": 1e-4,
+                    "reference": "median of ranks" if env.world_size >= 3 else "rank 0",
+                    "max_abs_logit_diff": [float((g - ref).abs().max()) if g.numel() else 0.0 for g in gathered],
+                    "argmax_disagreements": [int((g.reshape(shape).argmax(1) != ref.reshape(shape).argmax(1)).sum())
+                                             if logits and g.numel() else 0 for g in gathered]}
+    return out
 
 
 def _write(out_dir: str, out: dict) -> None:

@@ -414,7 +414,7 @@ class RankRun:
         metrics, trial_summary = summarize_trials([o["metrics"] for o in outcomes], cfg.eval.trial_aggregate,
                                                   float(cfg.eval.clip_sigma))
         run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
-               "dataset": self.task.describe(), "task": self.task.identity(),
+               "dataset": self.task.describe(), "task": dict(self.task.identity(), main_metric=self.task.main_metric(metrics)),
                "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
                "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,

@@ -325,3 +325,49 @@ def test_doctor_cannot_finish_on_a_missing_directory(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_probes_and_sanity_on_every_task_family(tmp_path):
+    """``doctor --probe`` builds data and model through the run's Task: detection, keypoints, embedding (kNN),
+    segmentation (shared files) and streamed runs are probed (drift on the canary: identical outputs on every
+    rank; streamed data says why there is no balance), and each healthy run's verdict is none (its task names
+    its main metric in results.json ``task.main_metric``)."""
+    import importlib.util
+
+    from disteval.data.coco_keypoints_synthetic import make_synthetic_keypoints
+    from disteval.data.coco_synthetic import make_synthetic_coco
+
+    gt, dt = make_synthetic_coco(tmp_path / "coco", num_images=20, num_categories=3, dets_per_image=6, seed=2)
+    kgt, kdt = make_synthetic_keypoints(tmp_path / "kp", num_images=20, seed=2)
+    jobs = {"detection": ("+experiment=coco_replay", f"data.annotations={gt}", f"data.predictions={dt}",
+                          "data.batch_size=4"),
+            "keypoints": ("+experiment=coco_keypoints_replay", f"data.annotations={kgt}", f"data.predictions={kdt}",
+                          "data.batch_size=4"),
+            "embedding": ("+experiment=fashion_mnist_knn", "eval.embedding.gallery_limit=300",
+                          "eval.embedding.query_limit=60", "eval.embedding.knn_k=[10]", "data.batch_size=64")}
+    shared = REPO.parent / "shared"
+    if (shared / "data" / "coco").is_dir():
+        jobs["segmentation"] = ("+experiment=coco_semseg_replay", "data.limit=12", "data.batch_size=4")
+    spec = importlib.util.spec_from_file_location("make_shards", REPO / "scripts" / "make_shards.py")
+    make_shards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_shards)
+    assert make_shards.main(["--root", "/usr/share/datasets/fashion-mnist", "--out", str(tmp_path / "shards"),
+                             "--samples-per-shard", "100", "--limit", "200", "--index"]) == 0
+    jobs["streamed"] = ("+experiment=fashion_mnist_shards", f"data.urls='{tmp_path}/shards/fashion-mnist-test-"
+                        "{000000..000001}.tar'", "data.index=null", "data.batch_size=50")
+    for name, job in jobs.items():
+        run = tmp_path / name
+        proc = run_disteval(*job, "dist.world_size=2", "eval.progress=false", run_dir=run,
+                            env={"DISTEVAL_SHARED": str(shared)})
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        main = load_results(run)["task"]["main_metric"]
+        assert main in load_results(run)["metrics"], name
+        code, report = doctor(run, "--probe", env={"DISTEVAL_SHARED": str(shared)})  # the config names ../shared
+        assert (code, verdict(report)[0]) == (0, None), (name, report["runs"][0]["verdict"])
+        probes = report["runs"][0]["probes"]
+        assert probes["rendezvous"]["missing"] == [] and not probes.get("error"), (name, probes)
+        if name == "streamed":
+            assert "streamed data" in probes["balance"]["skipped"] and "drift" not in probes
+        else:
+            assert probes["drift"]["max_abs_logit_diff"] == [0.0, 0.0], (name, probes["drift"])
+            assert sum(probes["balance"]["samples"]) == load_results(run)["dataset"]["num_samples"], name

@@ -100,6 +100,12 @@ class Task(abc.ABC):
         every world size. Default None: no intervals."""
         return None
 
+    def main_metric(self, metrics: dict) -> str | None:
+        """The key of ``metrics`` that states the run's result in one number (results.json
+        ``task.main_metric``; the doctor's sanity check looks for it). Default: the first of top1, AP, mIoU,
+        auroc_macro, accuracy that ``metrics`` holds, else None."""
+        return next((k for k in ("top1", "AP", "mIoU", "auroc_macro", "accuracy") if k in metrics), None)
+
     def describe(self) -> dict:
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}

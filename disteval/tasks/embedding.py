@@ -260,6 +260,10 @@ class EmbeddingTask(Task):
         return {"num_classes": self.num_classes, "protocol": self.protocol,
                 "parts": {k: [lo, hi] for k, (lo, hi) in self.parts.items()}, "embedding_dim": self.dim}
 
+    def main_metric(self, metrics: dict) -> str | None:
+        """Zero-shot top-1, the first kNN top-1 (``knn_<vote>_k<k>_top1``) or the first recall@k."""
+        return next((k for k in metrics if k.endswith("top1") or "recall" in k), None) or super().main_metric(metrics)
+
     def console_section(self, metrics: dict):
         rows = [(k.replace("_", " "), fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None]
         notes = [] if self.protocol == "zero_shot" else [
