@@ -114,6 +114,10 @@ def _load_batches(path: Path, world_size: int) -> tuple[dict[int, dict] | None, 
     """Every rank's batches.json, or (None, why) when a rank has none."""
     files = {r: path / "ranks" / f"rank{r}" / "batches.json" for r in range(world_size)}
     missing = [r for r, f in files.items() if not f.exists()]
+    if len(missing) == world_size and (path / "results.json").exists() and \
+            (_read_json(path / "results.json").get("checkpoint_set")):
+        return None, (f"{path} is one checkpoint of a model.checkpoints job: the job's ranks/ hold the batches of "
+                      "all its checkpoints together, so the forward is not compared per checkpoint")
     if len(missing) == world_size:
         return None, f"{path} has no ranks/rank*/batches.json: eval.record_batches was off"
     if missing:
@@ -135,6 +139,9 @@ def load_records(path: str | Path) -> RunRecords:
     if not results_path.exists():
         raise FileNotFoundError(f"{results_path} is missing: the run did not finish, or {path} is not a run directory")
     results = _read_json(results_path)
+    if results.get("checkpoints"):
+        raise ValueError(f"{path} is a job of several checkpoints ({', '.join(b['name'] for b in results['checkpoints'])}): "
+                         f"compare one checkpoint's run directory, {path}/checkpoints/<name>")
     if not isinstance(results.get("metrics"), dict):
         raise ValueError(f"{results_path}: field 'metrics' is missing or not an object")
     size = results.get("world_size")

@@ -30,6 +30,9 @@ def _store(run: Path) -> dict:
 
     store = Path(run) / "predictions"
     manifest = read_manifest(store)
+    if manifest.get("task") not in ("classification",):
+        raise DataError(f"{store}: a {manifest.get('task')} store; the paired tests compare classification stores "
+                        "(top-1 and NLL per sample)")
     table = pq.read_table(store, columns=["sample_id", "target", "topk_ids"] +
                           (["logits"] if manifest["settings"].get("logits") else [])).sort_by("sample_id")
     target = table.column("target").to_numpy()
@@ -90,8 +93,13 @@ def paired_test(run_a: Path, run_b: Path, resamples: int = 1000, level: float = 
     return out
 
 
+def significant(sig: dict) -> list[str]:
+    """The tested metrics whose difference is significant at the level of their intervals (p < 1 - level)."""
+    return [n for n in ("top1", "nll") if sig.get(n) and sig[n]["p_value"] < 1 - sig[n]["level"]]
+
+
 def describe(sig: dict) -> list[str]:
-    """One line per tested metric, for the console."""
+    """One line per tested metric, for the console, and a last line saying which differences are significant."""
     lines = []
     for name in ("top1", "nll"):
         t = sig.get(name)
@@ -100,4 +108,10 @@ def describe(sig: dict) -> list[str]:
             lines.append(f"{name}: A={t['a']:.6g} B={t['b']:.6g}, difference {t['difference']:+.4g} "
                          f"({t['level']:.0%} interval [{t['interval'][0]:+.4g}, {t['interval'][1]:+.4g}]), "
                          f"{t['test']}: p = {t['p_value']:.4g}{extra}")
+    tested = [n for n in ("top1", "nll") if sig.get(n)]
+    sig_names = significant(sig)
+    level = sig[tested[0]]["level"] if tested else 0.95
+    lines.append(f"significant at {1 - level:.2g}: {', '.join(sig_names)}" if sig_names else
+                 f"no difference is significant at {1 - level:.2g} (p >= {1 - level:.2g} for {', '.join(tested)}): "
+                 "the metrics differ, but by no more than noise on these samples would")
     return lines

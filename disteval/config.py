@@ -463,8 +463,15 @@ class CIConfig:
 
     def validate(self) -> None:
         _at_least("eval.ci.resamples", self.resamples, 0)
+        if 0 < self.resamples < CI_MIN_RESAMPLES or self.resamples > CI_MAX_RESAMPLES:
+            raise ConfigError("eval.ci.resamples", f"0 (off) or {CI_MIN_RESAMPLES:,}..{CI_MAX_RESAMPLES:,}, got "
+                              f"{self.resamples:,}: fewer resamples cannot place a percentile interval's ends (1,000 "
+                              "is usual), more take minutes to hours on rank 0 after the evaluation")
         if not 0 < self.level < 1:
             raise ConfigError("eval.ci.level", f"must be in (0, 1), got {self.level}")
+
+
+CI_MIN_RESAMPLES, CI_MAX_RESAMPLES = 50, 100_000
 
 
 @dataclass
@@ -588,15 +595,15 @@ class DistevalConfig:
         """``model.checkpoints`` with what it cannot be combined with yet (each named)."""
         if not self.model.checkpoints:
             return
-        clash = [(self.model.checkpoint, "model.checkpoint", "one file; model.checkpoints lists several"),
-                 (self.eval.trials > 1, "eval.trials", "repeated trials of several checkpoints"),
-                 (self.dist.parallel.enabled, "dist.parallel",
-                  "a device mesh shards one model"),
-                 (self.eval.exclude_outlier_ranks, "eval.exclude_outlier_ranks", "one local accuracy per rank")]
-        for on, key, what in clash:
+        clash = [(self.model.checkpoint, "model.checkpoint", "it names one file, model.checkpoints several"),
+                 (self.eval.trials > 1, "eval.trials", "repeated trials of several checkpoints are not supported"),
+                 (self.dist.parallel.enabled, "dist.parallel", "a device mesh shards one model"),
+                 (self.eval.exclude_outlier_ranks, "eval.exclude_outlier_ranks",
+                  "outlier ranks are found from one local accuracy per rank")]
+        for on, key, why in clash:
             if on:
-                raise ConfigError("model.checkpoints", f"cannot be combined with {key} ({what} is not supported); "
-                                  "run one job per checkpoint for it")
+                raise ConfigError("model.checkpoints", f"cannot be combined with {key} ({why}); run one job per "
+                                  "checkpoint for it")
 
 
 def validated(cfg: Any) -> DistevalConfig:

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from disteval.data.prediction_columns import build_table
-from disteval.data.prediction_store import MANIFEST, SCHEMA_VERSION, file_sha256, preprocessing_digest
+from disteval.data.prediction_store import (MANIFEST, SCHEMA_VERSION, file_sha256, preprocessing_digest,
+                                            preprocessing_values)
 from disteval.loop import LoopHook
 from disteval.metrics.bootstrap import SampleColumns, per_sample
 from disteval.records import atomic_write_json
@@ -97,8 +98,10 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
         "model": {"name": model.get("name"), "weights": model.get("weights"), "checkpoint": model.get("checkpoint"),
                   "weights_digest": identity["weights_digest"]},
         "data": {"name": data.get("name"), "split": data.get("split"), "num_samples": identity["num_samples"],
-                 "preprocessing_digest": preprocessing_digest(data), **_annotations(data)},
-        "settings": {"iou_type": str(cfg.eval.get("iou_type")), "topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
+                 "preprocessing_digest": preprocessing_digest(data), "preprocessing": preprocessing_values(data),
+                 **_annotations(data)},
+        "settings": {**({"iou_type": str(cfg.eval.get("iou_type"))} if data.get("annotations") else {}),
+                     "topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
                      "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
                      "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
                      "metrics": [str(m) for m in cfg.eval.metrics], "eval_topk": [int(k) for k in cfg.eval.topk]},

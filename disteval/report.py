@@ -199,3 +199,9 @@ def print_checkpoint_table(names: list[str], sections: list[tuple], console: Con
             cells = [f"[bold]{c}[/]" if v == best else c for c, v in zip(cells, values)]
         table.add_row(label, *cells)
     console.print(table)
+    notes: dict[str, list[str]] = {}
+    for name, sec in zip(names, sections):
+        for note in sec[2]:
+            notes.setdefault(str(note), []).append(name)
+    for note, which in notes.items():
+        console.print(f"[yellow]note[/] ({', '.join(which)}): {note}", soft_wrap=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from disteval.data.prediction_store import MANIFEST
 
 DATA_PREFIXES = ("data.", "data=", "+experiment=", "experiment=")
+LOADER = ("data.batch_size=", "data.num_workers=")  # how the store is read, not which data it is of
 DETECTION = ("detection", "replay")  # tasks whose stores re-score through the COCO replay
 RESCORED = ("classification", *DETECTION)
 
@@ -28,22 +29,39 @@ def _store_dir(arg: str) -> Path:
     return path / "predictions" if (path / "predictions" / MANIFEST).is_file() else path
 
 
-def _requested_data(overrides: list[str]):
-    """The data config the data overrides compose to (Hydra, disteval's schema)."""
+def _requested_data(overrides: list[str], store_data: str | None):
+    """The data config the data overrides compose to (Hydra, disteval's schema), starting from the store's own
+    data group (``data=<name>``) unless the overrides choose one (``data=``, ``+experiment=``)."""
     from hydra import compose, initialize_config_dir
 
     from disteval.config import conf_dir, register_schemas
 
     register_schemas()
+    chooses = any(o.startswith(("data=", "+experiment=", "experiment=")) for o in overrides)
+    base = [f"data={store_data}"] if store_data and not chooses and (Path(conf_dir()) / "data" /
+                                                                      f"{store_data}.yaml").is_file() else []
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides).data
+        return compose(config_name="config", overrides=base + overrides).data
+
+
+def check_early(store: Path, manifest: dict) -> None:
+    """What the manifest alone tells, before any rank starts: a classification store without logits, a rank
+    file that is not there. Raises DataError naming the file."""
+    from disteval.errors import DataError
+
+    if manifest["task"] not in DETECTION and not manifest["settings"].get("logits"):
+        raise DataError(f"{store / MANIFEST}: the store holds top-{manifest['settings'].get('topk')} classes only; "
+                        "re-scoring needs the logits (write it with eval.predictions.logits=true)")
+    for entry in manifest["files"]:
+        if not (store / entry["path"]).is_file():
+            raise DataError(f"{store / entry['path']}: rank {entry['rank']}'s prediction file is missing")
 
 
 def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
     """The ``python -m disteval`` command line that re-scores ``store``: the store as data, the identity model,
     the writer's batch size and mode, then the job's non-data ``overrides``."""
     settings = manifest["settings"]
-    rest = [o for o in overrides if not o.startswith(DATA_PREFIXES)]
+    rest = [o for o in overrides if not o.startswith(DATA_PREFIXES) or o.startswith(LOADER)]
     if manifest["task"] in DETECTION:  # the COCO replay of the stored boxes against the writer's annotation file
         data = [o for o in overrides if o.startswith("data.annotations=")] or [
             f"data.annotations={manifest['data']['annotations']}"]
@@ -66,14 +84,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     store, overrides = _store_dir(argv[0]), argv[1:]
     try:
+        if not (store / MANIFEST).is_file() and (store / "checkpoints").is_dir():
+            names = sorted(p.name for p in (store / "checkpoints").iterdir() if (p / "predictions" / MANIFEST).is_file())
+            raise DataError(f"{store}: a job of several checkpoints keeps one store per checkpoint: re-score "
+                            f"{store}/checkpoints/<name> ({', '.join(names) or 'none has a store'})")
         manifest = read_manifest(store)
         if manifest["task"] not in RESCORED:
             raise DataError(f"{store / MANIFEST}: a {manifest['task']} store ({', '.join(manifest.get('columns') or [])})"
                             " is read with pandas/polars/DuckDB; re-scoring takes classification logits and "
                             "detection boxes (segmentation runs re-score from their results files)")
-        data_overrides = [o for o in overrides if o.startswith(DATA_PREFIXES) and not o.startswith("data.annotations=")]
+        check_early(store, manifest)
+        data_overrides = [o for o in overrides if o.startswith(DATA_PREFIXES)
+                          and not o.startswith(("data.annotations=", *LOADER))]
         if data_overrides and manifest["task"] not in DETECTION:
-            check_identity(manifest, _requested_data(data_overrides), store)
+            check_identity(manifest, _requested_data(data_overrides, manifest["data"].get("name")), store)
     except DistevalError as exc:
         print(f"disteval.rescore: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ recorded holder is not marked released but whose flock is free was left by a pro
 crash, a lost node): it is taken over with a message naming the dead holder.
 
 Records of an earlier run in the directory are moved to RUN_DIR/previous/<time>-<pid>/ (results.json,
-launch.json, job.json, ranks/, .hydra/, disteval.log, doctor/): nothing is lost and no stale record is mistaken
+launch.json, job.json, ranks/, .hydra/, disteval.log, doctor/, predictions/, checkpoints/): nothing is lost and no stale record is mistaken
 for the new run's. The results of a finished run (results.json) are only moved when the new run asks for it
 with ``eval.overwrite=true``; otherwise the new run is refused with ``RunDirOccupied``.
 
@@ -39,11 +39,11 @@ from disteval.records import FULL_ERRNOS, boot_id, free_bytes
 LOCK = ".disteval.lock"
 PREVIOUS = "previous"
 RECORDS = ("results.json", "launch.json", "job.json", "ranks", ".hydra", "disteval.log", "doctor",
-           ".disteval-reserve")
+           ".disteval-reserve", "predictions", "checkpoints")
 # what a claim from inside the job function may move: Hydra has written this job's .hydra/ and log by then
 JOB_RECORDS = tuple(r for r in RECORDS if r not in (".hydra", "disteval.log"))
 # under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/
-SHARED_RECORDS = ("results.json",)
+SHARED_RECORDS = ("results.json", "predictions", "checkpoints")  # rank 0 moves them before any rank writes one
 
 _held: dict[str, int] = {}  # resolved run dir -> fd holding its flock (this process)
 

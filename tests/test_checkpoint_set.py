@@ -12,7 +12,7 @@ import torch
 
 from conftest import load_results, run_disteval
 from disteval.config import validated
-from disteval.errors import ConfigError
+from disteval.errors import ConfigError, DataError
 from disteval.metrics.classification import ClassificationMetrics
 from disteval.metrics.collection import PerModelMetrics
 from disteval.models.checkpoint_set import expand_checkpoints
@@ -90,6 +90,10 @@ def test_sets_that_cannot_be_expanded_or_combined_are_refused(checkpoints, tmp_p
     for p in same_stem:
         p.write_bytes(b"x")
     assert [m.name for m in expand_checkpoints([str(p) for p in same_stem])] == ["a_last", "b_last"]
+    dotted = [tmp_path / "a" / "x.y.pt", tmp_path / "a" / "x_y.pt"]  # the same name once cleaned
+    for p in dotted:
+        p.write_bytes(b"x")
+    assert [m.name for m in expand_checkpoints([str(p) for p in dotted])] == ["x_y", "x_y-2"]
     cases = {"matches no file": str(folder / "epoch_*.pt"), "does not exist": [str(checkpoints[0]), "/nope.pt"],
              "listed more than once": [str(checkpoints[0]), str(checkpoints[0])],
              "use model.checkpoint for a single file": [str(checkpoints[0])]}
@@ -120,3 +124,8 @@ def test_per_model_metrics_route_one_output_per_model():
     assert set(metrics.states()) == {f"{m}.{s}" for m in "ab" for s in ClassificationMetrics(3, topk=(1,)).states()}
     with pytest.raises(ValueError, match="a tuple of 2 outputs"):
         metrics.update(logits, targets, ids)
+    nan = logits.clone()
+    nan[1, 0] = float("nan")
+    metrics.update((logits, nan), targets, ids)
+    with pytest.raises(DataError, match="checkpoint b: .*sample id 1"):
+        metrics.raise_deferred()

@@ -239,3 +239,16 @@ def test_embedding_store_is_the_same_at_every_world_size(tmp_path):
     assert tables[0].equals(tables[1]) and tables[0].num_rows == 2300
     emb = np.stack(tables[0].column("embedding").to_numpy(zero_copy_only=False))
     assert emb.shape == (2300, 128) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-6)
+
+
+def test_overwrite_moves_the_earlier_store_away(tmp_path):
+    """A run again into the same directory with eval.overwrite=true: the earlier store (3 rank files) moves
+    into previous/ with the other records, and the new store holds only its own 2 rank files."""
+    run = tmp_path / "run"
+    for w, extra in ((3, ()), (2, ("eval.overwrite=true",))):
+        proc = run_disteval("+experiment=fashion_mnist", "eval.save_predictions=true", "data.limit=300",
+                            f"dist.world_size={w}", "eval.progress=false", *extra, run_dir=run)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run / "predictions").glob("*.parquet")) == ["rank0.parquet", "rank1.parquet"]
+    earlier = list((run / "previous").glob("*/predictions/*.parquet"))
+    assert sorted(p.name for p in earlier) == ["rank0.parquet", "rank1.parquet", "rank2.parquet"]

@@ -47,11 +47,17 @@ def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: to
     return cols
 
 
+def preprocessing_values(data_cfg: Any) -> dict:
+    """The data settings in ``PREPROCESSING_KEYS`` as plain values (the manifest keeps them, so that a refusal
+    names the setting that differs)."""
+    get = data_cfg.get if hasattr(data_cfg, "get") else (lambda k, d=None: getattr(data_cfg, k, d))
+    return json.loads(json.dumps({k: _plain(get(k, None)) for k in PREPROCESSING_KEYS}, default=str))
+
+
 def preprocessing_digest(data_cfg: Any) -> str:
     """sha256 of the data settings in ``PREPROCESSING_KEYS`` (canonical JSON): equal for the same images
     prepared the same way, wherever their root is."""
-    get = data_cfg.get if hasattr(data_cfg, "get") else (lambda k, d=None: getattr(data_cfg, k, d))
-    values = {k: _plain(get(k, None)) for k in PREPROCESSING_KEYS}
+    values = preprocessing_values(data_cfg)
     return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -98,6 +104,11 @@ def check_identity(manifest: dict, data_cfg: Any, store: str | Path) -> None:
             "preprocessing_digest": preprocessing_digest(data_cfg)}
     have = manifest.get("data") or {}
     diffs = [f"{k}: the store has {have.get(k)!r}, the job asks for {v!r}" for k, v in want.items() if have.get(k) != v]
+    if "preprocessing" in have and any(d.startswith("preprocessing_digest") for d in diffs):  # name the settings
+        asked = preprocessing_values(data_cfg)
+        diffs = [d for d in diffs if not d.startswith("preprocessing_digest")] + [
+            f"data.{k}: the store has {have['preprocessing'].get(k)!r}, the job asks for {asked.get(k)!r}"
+            for k in PREPROCESSING_KEYS if have["preprocessing"].get(k) != asked.get(k) and k not in ("name", "split")]
     if diffs:
         raise ConfigError("data", f"the prediction store {store} was written for other data: " + "; ".join(diffs)
                           + " (re-score with the data settings of the run that wrote it)")

@@ -112,7 +112,8 @@ def interval(values: np.ndarray, resamples: int, level: float, seed: int) -> tup
     if len(values) < 2 or np.all(values == values[0]):
         return float(values.mean()), float(values.mean())  # no spread to resample (scipy refuses degenerate data)
     res = bootstrap((values,), lambda v, axis: v.mean(axis), vectorized=True, n_resamples=resamples,
-                    confidence_level=level, method="percentile", rng=np.random.default_rng(seed))
+                    confidence_level=level, method="percentile", rng=np.random.default_rng(seed),
+                    batch=max(1, (1 << 22) // len(values)))  # at most 4M resampled values (32 MB) at a time
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

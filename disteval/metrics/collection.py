@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from disteval.errors import DataError
 from disteval.metrics.base import Metric
 
 
@@ -124,13 +125,24 @@ class PerModelMetrics(MetricCollection):
     ``update(outputs, targets, ids)`` takes ``outputs`` as a tuple with one entry per model, in the order of
     the dict; ``compute()`` returns ``{model: metrics}``. Raises ValueError when the tuple's length differs."""
 
+    def raise_deferred(self) -> None:
+        """Each model's deferred error, naming the model (a checkpoint whose outputs are not finite)."""
+        for name, m in self.metrics.items():
+            try:
+                m.raise_deferred()
+            except DataError as exc:
+                raise DataError(f"checkpoint {name}: {exc}", sample_id=exc.sample_id) from exc
+
     def update(self, outputs, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
-        """Model i's metric gets ``outputs[i]`` with the shared targets and ids."""
+        """Model i's metric gets ``outputs[i]`` with the shared targets and ids; a DataError names the model."""
         if not isinstance(outputs, (tuple, list)) or len(outputs) != len(self.metrics):
             raise ValueError(f"expected a tuple of {len(self.metrics)} outputs (one per model), got "
                              f"{type(outputs).__name__}{'' if not isinstance(outputs, (tuple, list)) else len(outputs)}")
-        for m, out in zip(self.metrics.values(), outputs):
-            m.update(out, targets, sample_ids)
+        for (name, m), out in zip(self.metrics.items(), outputs):
+            try:
+                m.update(out, targets, sample_ids)
+            except DataError as exc:
+                raise DataError(f"checkpoint {name}: {exc}", sample_id=exc.sample_id) from exc
 
     def compute(self) -> dict:
         """``{model: that model's metrics}``."""

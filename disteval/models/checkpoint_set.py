@@ -24,7 +24,7 @@ KEY = "model.checkpoints"
 @dataclass(frozen=True)
 class Member:
     """One checkpoint of the set: ``name`` (unique, no ``.``: it prefixes metric state names and labels the
-    results block) and ``path`` (as listed, or as the glob found it)."""
+    results block) and ``path`` (absolute)."""
 
     name: str
     path: str
@@ -46,14 +46,20 @@ def _patterns(spec: Any) -> list[str]:
 
 def _names(paths: list[str]) -> list[str]:
     """File stems, made unique by prefixing parent folders where stems repeat; ``.``, ``/`` and other
-    characters outside [A-Za-z0-9_-] become ``_``."""
-    depth = 1
-    while True:
+    characters outside [A-Za-z0-9_-] become ``_``; names that still coincide (``x.y.pt`` and ``x_y.pt``) get
+    ``-2``, ``-3``, ... in the order listed."""
+    for depth in range(1, 17):
         names = ["_".join(os.path.normpath(os.path.splitext(p)[0]).split(os.sep)[-depth:]) for p in paths]
         names = [re.sub(r"[^A-Za-z0-9_-]", "_", n) for n in names]
-        if len(set(names)) == len(names) or depth > 16:
+        if len(set(names)) == len(names):
             return names
-        depth += 1
+    names = [re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(p))[0]) for p in paths]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}-{seen[n]}")
+    return out
 
 
 def expand_checkpoints(spec: Any) -> list[Member]:
@@ -81,7 +87,7 @@ def expand_checkpoints(spec: Any) -> list[Member]:
         raise ConfigError(KEY, f"listed more than once: {twice}")
     if len(paths) == 1:
         raise ConfigError(KEY, f"one checkpoint ({paths[0]!r}): use model.checkpoint for a single file")
-    return [Member(n, p) for n, p in zip(_names(paths), paths)]
+    return [Member(n, os.path.abspath(p)) for n, p in zip(_names(paths), paths)]
 
 
 def with_checkpoint(cfg: Any, path: str) -> Any:
