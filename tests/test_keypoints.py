@@ -66,23 +66,23 @@ def test_a_bad_results_file_is_named_before_ranks_start(tmp_path):
 
 
 def test_live_keypoint_rcnn_agrees_across_world_sizes(tmp_path):
-    """Keypoint R-CNN with random weights (no download) on 6 generated images, resized to 128-160 px."""
+    """Keypoint R-CNN with random weights (no download) on 4 generated images, resized to 96-112 px."""
     from PIL import Image
 
-    gt_path, _ = make_synthetic_keypoints(tmp_path, num_images=6, seed=5)
+    gt_path, _ = make_synthetic_keypoints(tmp_path, num_images=4, seed=5)
     gt = load_keypoint_ground_truth(str(gt_path))
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
     for name in gt.file_names:
-        Image.fromarray(rng.integers(0, 255, (120, 150, 3), dtype=np.uint8)).save(images / name, format="PNG")
+        Image.fromarray(rng.integers(0, 255, (90, 110, 3), dtype=np.uint8)).save(images / name, format="PNG")
     got = []
     for w in (1, 2):
         proc = run_disteval("data=coco_keypoints", "model=keypointrcnn_resnet50_fpn", "model.weights=null",
                             f"data.root={images}", f"data.annotations={gt_path}", "eval.metrics=[keypoints]",
-                            "+model.kwargs.min_size=128", "+model.kwargs.max_size=160", "data.num_workers=0",
+                            "+model.kwargs.min_size=96", "+model.kwargs.max_size=112", "data.num_workers=0",
                             f"dist.world_size={w}", "eval.progress=false", run_dir=tmp_path / f"live{w}", timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got.append(load_results(tmp_path / f"live{w}"))
-    assert got[0]["metrics"] == got[1]["metrics"] and got[0]["metrics"]["num_images"] == 6
+    assert got[0]["metrics"] == got[1]["metrics"] and got[0]["metrics"]["num_images"] == 4
     assert got[0]["task"]["name"] == "keypoints" and got[0]["model"]["class"] == "KeypointRCNN"

@@ -298,6 +298,10 @@ def ranks(tmp_path_factory, coco):
         if w <= 3:
             out[w]["live_predictions"] = [e for r in range(w) for e in
                                           json.loads((d / "live" / "ranks" / f"rank{r}" / "predictions.json").read_text())]
+            import pyarrow.parquet as pq  # the Parquet store: each image's confusion counts, at the label's size
+
+            table = pq.read_table(d / "live" / "predictions")
+            out[w]["live_store"] = np.stack(table.column("confusion").to_numpy(zero_copy_only=False)).sum(0).reshape(5, 5)
     return root, out, [big_labels, big_preds]
 
 
@@ -332,6 +336,9 @@ def test_live_lraspp_bit_identical_and_equal_to_its_saved_predictions(ranks, tmp
     for w in (2, 3):
         assert out[w]["live"]["metrics"] == base, w
         assert sorted(map(json.dumps, out[w]["live_predictions"])) == sorted(map(json.dumps, out[1]["live_predictions"]))
+        assert np.array_equal(out[w]["live_store"], out[1]["live_store"])
+    store = out[1]["live_store"]  # rows: labels, columns: predictions (logits resized to the labels as the metric does)
+    assert store.sum(1).tolist() == base["per_class_support"] and store.sum(0).tolist() == base["per_class_predicted"]
     saved = tmp_path / "predictions.json"
     saved.write_text(json.dumps(out[1]["live_predictions"]))
     cfg = _replay_cfg(root=str(root / "live"), predictions=str(saved), num_classes=5, batch_size=3)

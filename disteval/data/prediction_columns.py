@@ -60,21 +60,29 @@ def segmentation_schema(num_classes: int, label_maps: bool):
 
 def segmentation_columns(outputs: list[torch.Tensor], targets: list[torch.Tensor], ids: torch.Tensor,
                          num_classes: int, ignore_index: int | None, label_maps: bool) -> dict[str, Any]:
-    """One batch of label maps: ``outputs`` B logits [C, H, W] (arg-max taken) or predicted maps [H, W];
-    ``targets`` B label maps [H, W]; pixels whose label is ``ignore_index`` (or outside [0, C)) are left out of
-    the confusion counts, as the metric leaves them out."""
+    """One batch of label maps: ``outputs`` B logits [C, h, w] or predicted maps [H, W]; ``targets`` B label
+    maps [H, W]. Logits are taken as the metric takes them (``SegmentationMetrics``): resized bilinearly
+    (``align_corners=False``) to the label's [H, W] when their size differs, then the arg-max (ties to the lowest
+    class). Pixels whose label is ``ignore_index`` (or outside [0, C)) are left out of the confusion counts, as the
+    metric leaves them out; the stored map is at the label's size."""
+    import torch.nn.functional as F
+
     c = num_classes
     conf, maps, heights, widths = [], [], [], []
     for out, label in zip(outputs, targets):
-        pred = out.argmax(0) if out.ndim == 3 else out
-        pred, label = pred.detach().cpu().long().reshape(-1), label.detach().cpu().long().reshape(-1)
+        size = tuple(label.shape[-2:])
+        if out.dtype.is_floating_point:
+            if tuple(out.shape[1:]) != size:
+                out = F.interpolate(out[None].float(), size=size, mode="bilinear", align_corners=False)[0]
+            out = out.argmax(0)
+        pred, label = out.detach().cpu().long().reshape(-1), label.detach().cpu().long().reshape(-1)
         keep = (label >= 0) & (label < c) & (pred >= 0) & (pred < c)
         if ignore_index is not None:
             keep &= label != ignore_index
         conf.append(torch.bincount(label[keep] * c + pred[keep], minlength=c * c).numpy())
         if label_maps:
-            heights.append(out.shape[-2])
-            widths.append(out.shape[-1])
+            heights.append(size[0])
+            widths.append(size[1])
             maps.append(pred.numpy().astype(np.uint16))
     cols: dict[str, Any] = {"sample_id": _np(ids).astype(np.int64),
                             "confusion": np.stack(conf).astype(np.int64) if conf else np.zeros((0, c * c), np.int64)}
