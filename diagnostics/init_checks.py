@@ -335,7 +335,27 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
     launch = _srun_launch_failure(run, str(job.get("job_id", "")))
     if launch is not None:
         return launch
+    if not any(s and s.get("error") for s in run.statuses.values()):
+        return _job_own_error(run, state, ev)
     return Finding("INIT", "scheduler", "pass", f"SLURM job {job.get('job_id')} state {state} (rank errors below)", ev)
+
+
+def _job_own_error(run: Run, state: str, ev: list[Evidence]) -> Finding:
+    """A submitit job that failed (or was refused before submission) with no rank error on record: the launcher's
+    own account of it in job.json is the cause (an error raised in the job before its ranks wrote anything, or a
+    configuration the launcher refused)."""
+    job = run.job or {}
+    error = str(job.get("error") or "no error recorded")
+    if state == "REFUSED":
+        return Finding("INIT", "scheduler", "fail", error[:400] if "not submitted" in error else
+                       f"the job was not submitted: {error[:300]}", ev,
+                       Remedy([], "fix the configuration the error names, then rerun", changes_cause=False),
+                       phase="scheduler")
+    return Finding("INIT", "scheduler", "fail", f"{'SLURM' if job.get('job_id') else 'submitit'} job "
+                   f"{job.get('job_id') or ''} ended {state or 'FAILED'} before any rank recorded an error: "
+                   f"{error[:300]}", ev,
+                   Remedy([], "the error above is the job's own (from submitit); fix what it names, then rerun",
+                          changes_cause=False), phase="scheduler")
 
 
 def _silent_nodes(run: Run) -> tuple[list[str], list[int]]:

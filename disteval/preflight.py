@@ -70,11 +70,23 @@ def check_multi_node(cfg: Any) -> None:
 
 
 def preflight(cfg: Any, notes: list[str] | None = None) -> None:
-    """All driver-side checks: config values, fault drills, the rendezvous address, then the task's own
-    (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
-    metric. Warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError,
-    CheckpointError or DataError."""
+    """All driver-side checks: the rendezvous address of a local or multi-node launch, then ``check_job``.
+    Warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError, CheckpointError,
+    DataError or RendezvousError."""
     notes = notes if notes is not None else []
+    validate_config(cfg)
+    if int(cfg.dist.get("nnodes") or 1) > 1 and not external_launch_detected():
+        check_multi_node(cfg)
+    elif cfg.dist.world_size > 1 and not external_launch_detected():
+        check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
+    check_job(cfg, notes)
+
+
+def check_job(cfg: Any, notes: list[str]) -> None:
+    """The checks of one job wherever its ranks will run (the local launcher, and the submitit launchers on the
+    submitting host before anything is submitted): config values, fault drills, ``dist.parallel``, then the
+    task's own (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
+    metric. Warnings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
     validate_config(cfg)
     try:
         world = int(os.environ["WORLD_SIZE"]) if external_launch_detected() else int(cfg.dist.world_size)
@@ -83,10 +95,6 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
         message = str(exc).removeprefix(f"{FAULTS_ENV}: ")
         raise ConfigError(FAULTS_ENV, f"{message} (an environment variable for fault drills; unset it to run "
                           "normally)") from None
-    if int(cfg.dist.get("nnodes") or 1) > 1 and not external_launch_detected():
-        check_multi_node(cfg)
-    elif cfg.dist.world_size > 1 and not external_launch_detected():
-        check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
     check_parallel(cfg, notes)
     # model.checkpoints: the task's checks once per file (each must load into the architecture), notes once
     for job in [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.get("checkpoints"))] or [cfg]:

@@ -213,6 +213,27 @@ def process_state(pid: int) -> str | None:
         return "?"
 
 
+def zombie_exit(pid: int) -> str | None:
+    """How process ``pid`` ended while it is still a zombie (a child its parent has not reaped yet): "was killed
+    by SIGKILL" or "exited with code N", from the exit_code field of /proc/PID/stat (its wait status; proc(5),
+    Linux >= 3.5). None when it is not a zombie or /proc cannot say."""
+    import signal
+
+    try:
+        fields = Path(f"/proc/{int(pid)}/stat").read_text().rpartition(") ")[2].split()
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    status = int(fields[49])  # field 52 of the line; the list starts at field 3 (the state)
+    if status & 0x7F:
+        try:
+            return f"was killed by {signal.Signals(status & 0x7F).name}"
+        except ValueError:
+            return f"was killed by signal {status & 0x7F}"
+    return f"exited with code {status >> 8}"
+
+
 def pid_alive(pid: int | None) -> bool | None:
     """Whether process ``pid`` exists on this machine (a zombie counts as gone); None when ``pid`` is None."""
     if not pid:

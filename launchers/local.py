@@ -22,7 +22,7 @@ from disteval.common import netif
 from disteval.common.netif import node_id
 from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 from disteval.errors import RendezvousError as RendezvousFailure
-from disteval.records import pid_alive, read_status
+from disteval.records import pid_alive, read_status, zombie_exit
 from launchers.culprit import find_culprit
 
 
@@ -67,6 +67,7 @@ class Reaper:
     def __init__(self, run_dir: str, world_size: int, grace_s: float = 3.0, poll_s: float = 0.25):
         self.run_dir, self.world_size, self.grace_s, self.poll_s = run_dir, world_size, grace_s, poll_s
         self.killed: list[int] = []
+        self.dead: dict[int, str] = {}  # ranks whose process ended without a record saying done or failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="disteval-reaper", daemon=True)
 
@@ -89,6 +90,7 @@ class Reaper:
                     and (s.get("node") == node if s.get("node") else s.get("host") == host)]
             ended = any(s.get("phase") == "failed" or (s.get("phase") != "done" and not pid_alive(s["pid"]))
                         for s in mine)
+            self._note_dead(mine)
             if ended and failed_at is None:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at >= self.grace_s:
@@ -100,6 +102,16 @@ class Reaper:
                         except OSError:
                             pass
                 return
+
+
+    def _note_dead(self, mine: list[dict]) -> None:
+        """Remember how each rank that ended silently (no done/failed record) ended, while its process is still a
+        zombie: elastic reports the first rank whose process it sees end, and a rank with loader workers is seen
+        only once its workers have exited too (they hold its sentinel pipe), after the others were stopped."""
+        for s in mine:
+            rank = int(s["rank"])
+            if s.get("phase") not in ("done", "failed") and rank not in self.dead and not pid_alive(s["pid"]):
+                self.dead[rank] = zombie_exit(int(s["pid"])) or "ended"
 
 
 class AgentDeadline:
@@ -231,6 +243,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     except ChildFailedError as exc:
         # ranks the reaper killed after another rank failed are consequences: not deaths of their own
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
+        deaths.update({r: how for r, how in reaper.dead.items() if r not in deaths and r not in reaper.killed})
         culprit = find_culprit(run_dir, world_size, deaths)
         error = RankFailedError(culprit.rank, culprit.message, deaths)
         recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}

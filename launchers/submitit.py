@@ -72,7 +72,10 @@ def job_shape(world_size: int, ranks_per_node: int | None, gpus_per_node: int | 
 
 
 class DistevalSubmititLauncher(BaseSubmititLauncher):
-    """See the module docstring. ``_EXECUTOR`` is ``slurm`` or ``local`` in the subclasses."""
+    """See the module docstring. ``_EXECUTOR`` is ``slurm`` or ``local`` in the subclasses; ``single_run``: the
+    one job of ``submit_run`` (its outcome is returned, not turned into the sweep's exit)."""
+
+    single_run = False
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> JobReturn:
         """One task (rank) of a submitted job: the base launcher's task with the rank environment exported. Its
@@ -94,6 +97,29 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        configs, groups, refused = self._plan(job_overrides, initial_job_idx)
+        jobs = self._submit(groups, job_overrides, initial_job_idx, refused)
+        returns = [self._refused(configs[i], initial_job_idx + i, refused[i]) if i in refused else
+                   self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
+        if any(r.status == JobStatus.FAILED for r in returns) and not self.single_run:
+            # Hydra's sweeper would raise the first failure with its traceback and skip on_multirun_end: summarize
+            # here, say what the sweep is, and exit (2: nothing was submitted, 1: a partial sweep)
+            from disteval.sweep import summarize_sweep
+
+            if len(refused) < len(returns):
+                summarize_sweep(sweep_dir)
+            raise SystemExit(_sweep_outcome(returns, refused, sweep_dir))
+        return returns
+
+    def _plan(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        """Every job's config, shape and checks before anything is submitted: ``(configs, groups, refused)``,
+        ``groups`` mapping (nodes, tasks per node, allocator exports) to job indices, ``refused`` a job index to
+        why it will not be submitted (no cluster, a shape the partition cannot hold, a failed preflight)."""
+        from launchers.cluster import Capacity, cluster_problem
+
+        no_cluster = cluster_problem() if self._EXECUTOR == "slurm" else None
+        capacity = Capacity.query(self.params.get("partition")) if self._EXECUTOR == "slurm" and \
+            no_cluster is None else None
         groups: dict[tuple, list[int]] = {}
         configs, refused = [], {}
         for i, overrides in enumerate(job_overrides):
@@ -101,9 +127,15 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
+            if no_cluster:
+                refused[i] = no_cluster
+                continue
             try:  # what is knowable up front fails here, before anything is submitted
                 shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
                                   self.params.get("gpus_per_node"))
+                unfit = capacity.shape_problem(*shape, self.params.get("cpus_per_task")) if capacity else None
+                if unfit:
+                    raise ValueError(f"the cluster cannot hold this job: it {unfit}")
                 _preflight(cfg)
                 exports = tuple(resolve_allocator(str(cfg.dist.get("allocator", "auto"))).shell_exports())
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
@@ -112,9 +144,13 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
             (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)
             groups.setdefault((*shape, exports), []).append(i)
+        return configs, groups, refused
+
+    def _submit(self, groups: dict, job_overrides, initial_job_idx: int, refused: dict) -> dict[int, Any]:
+        """Submit each group of equal shape as one job array; a group that sbatch rejects is marked refused with
+        its message (the groups already submitted still run and are waited for)."""
         jobs: dict[int, Any] = {}
         for (nodes, per_node, exports), members in groups.items():
-            executor = self._executor(nodes, per_node, list(exports))
             args = []
             for i in members:
                 idx = initial_job_idx + i
@@ -122,16 +158,16 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                          nodes, per_node)
                 args.append((list(job_overrides[i]), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                              Singleton.get_state()))
-            for i, job in zip(members, executor.map_array(self, *zip(*args))):
-                jobs[i] = job
-        returns = [self._refused(configs[i], initial_job_idx + i, refused[i]) if i in refused else
-                   self._outcome(jobs[i], configs[i], initial_job_idx + i) for i in range(len(job_overrides))]
-        if any(r.status == JobStatus.FAILED for r in returns):
-            # Hydra's sweeper raises the first failure and skips on_multirun_end: summarize here
-            from disteval.sweep import summarize_sweep
-
-            summarize_sweep(sweep_dir)
-        return returns
+            try:
+                executor = self._executor(nodes, per_node, list(exports))
+                submitted = executor.map_array(self, *zip(*args))
+            except Exception as exc:  # noqa: BLE001 - sbatch's own refusal, e.g. a node configuration it lacks
+                said = " ".join(str(exc).split())[:400]
+                refused.update({i: f"the scheduler refused the submission ({nodes} node(s) x {per_node} rank(s)): "
+                                   f"{type(exc).__name__}: {said}" for i in members})
+                continue
+            jobs.update(zip(members, submitted))
+        return jobs
 
     def _failed(self, cfg, idx: int, job_id: str, state: str, msg: str) -> JobReturn:
         run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
@@ -197,8 +233,32 @@ def submit_run(task_function) -> int:
     log.info("submitting this run as one %s job; its records go to %s",
              "SLURM" if launcher._EXECUTOR == "slurm" else "submitit local", run_dir)
     release_run_dir(run_dir)  # claimed by this driver (hydra.callbacks.run_dir_guard); the job's rank 0 claims it
+    launcher.single_run = True
     ret = launcher.launch([list(hc.overrides.task)], initial_job_idx=0)[0]
     return _report_run(ret, run_dir)
+
+
+def _sweep_outcome(returns: Sequence[JobReturn], refused: dict[int, str], sweep_dir: Path) -> int:
+    """Print what a sweep with failed or refused jobs amounts to and return its exit code: 2 when no job was
+    submitted (every one refused: the reasons, once each), else 1 (a partial sweep: which jobs completed)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    err = Console(stderr=True)
+    done = sum(r.status == JobStatus.COMPLETED for r in returns)
+    if len(refused) == len(returns):
+        for reason in dict.fromkeys(refused.values()):
+            jobs = [str(i) for i, why in refused.items() if why == reason]
+            err.print(f"[bold red]disteval: configuration error[/] job(s) #{', #'.join(jobs)}: {escape(reason)}",
+                      soft_wrap=True, highlight=False)
+        err.print(f"disteval: no job of the sweep was submitted; records: {sweep_dir}/*/job.json", soft_wrap=True,
+                  highlight=False)
+        return 2
+    err.print(f"[bold red]disteval: partial sweep[/] {done} of {len(returns)} job(s) completed, "
+              f"{len(refused)} not submitted, {len(returns) - done - len(refused)} failed (the table above; "
+              f"{sweep_dir}/summary.csv); diagnose: python -m diagnostics doctor {shlex.quote(str(sweep_dir))}",
+              soft_wrap=True, highlight=False)
+    return 1
 
 
 def _quote(value: str) -> str:
@@ -255,13 +315,15 @@ def _final_state(job) -> str:
 
 
 def _preflight(cfg) -> None:
-    """The driver-side checks of ``python -m disteval`` on one job's config (without the hydra node)."""
-    from disteval.preflight import validate_config
+    """The driver-side checks of ``python -m disteval`` on one job's config (without the hydra node), as the local
+    launcher runs them (``disteval.preflight.check_job``: config values, dataset root, model weights or
+    checkpoint, metric families, sync policy) except the rendezvous address, which the job's own nodes provide."""
+    from disteval.preflight import check_job
 
     job = cfg.copy()
     with open_dict(job):
         del job["hydra"]
-    validate_config(OmegaConf.create(OmegaConf.to_container(job, resolve=True)))
+    check_job(OmegaConf.create(OmegaConf.to_container(job, resolve=True)), [])
 
 
 def _disteval_error(job) -> str | None:

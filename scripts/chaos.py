@@ -26,7 +26,9 @@ sleeps past the timeout), delay_within (it sleeps less: the run succeeds), error
 overwritten with garbage: the doctor must say so), driver_kill (SIGKILL of ``python -m disteval`` while its ranks
 evaluate) and concurrent (a second run into the same run directory while the first runs: refused with exit 2
 naming the holder; the first finishes with its results intact). The rounds deal the kinds like cards: every
-block of 9 rounds holds each kind once, in a seeded random order.
+block of 9 rounds holds each kind once, in a seeded random order. The in-rank kinds (kill, stop, delay_past, error,
+diskfull) draw loader workers too (``data.num_workers`` 0 or 2): a rank's worker processes outlive it for a
+while and hold its pipes, which once hid a killed rank from the launcher.
 
 Network kinds (scripts/chaos_net.py; only when ``--kinds`` names them: they need the network lab, root and
 namespaces): net_partition_start, net_partition_sync, net_slow_link, net_freeze_node, net_kill_node, each on 2
@@ -75,6 +77,7 @@ INVARIANTS = ("timeout", "no_results", "results_kept", "doctor_exit", "doctor_st
 OUTCOMES = ("ok", "failed", "refused", "killed", "hung", "other")
 SIZES = {"kill": (1, 2, 3), "stop": (2, 3), "delay_past": (2, 3), "delay_within": (1, 2, 3), "error": (1, 2, 3),
          "diskfull": (1, 2, 3), "bad_record": (1, 2, 3), "driver_kill": (1, 2, 3), "concurrent": (1, 2, 3)}
+WORKER_KINDS = ("kill", "stop", "delay_past", "error", "diskfull")
 BAD_RECORDS = ("results:truncate", "results:garbage", "status:truncate", "status:garbage")
 
 
@@ -90,6 +93,7 @@ class Drill:
     batch: int | None = None
     seconds: float | None = None
     variant: str = ""
+    workers: int = 0  # data.num_workers: loader worker processes in every rank (in-rank kinds draw 0 or 2)
 
     def faults(self) -> str | None:
         """The DISTEVAL_FAULTS value of the run (None: no in-rank fault)."""
@@ -110,7 +114,12 @@ class Drill:
 
     def describe(self) -> str:
         extra = f" then {self.variant}" if self.kind == "bad_record" else ""
-        return f"round {self.index}: {self.kind} W={self.world_size} DISTEVAL_FAULTS={self.faults()!r}{extra}"
+        workers = f" data.num_workers={self.workers}" if self.workers else ""
+        return f"round {self.index}: {self.kind} W={self.world_size}{workers} DISTEVAL_FAULTS={self.faults()!r}{extra}"
+
+    def overrides(self) -> tuple[str, ...]:
+        """The run's extra overrides (loader workers)."""
+        return (f"data.num_workers={self.workers}",) if self.workers else ()
 
 
 def rank_batches(world_size: int, rank: int) -> int:
@@ -143,6 +152,8 @@ def draw_drill(rng: random.Random, index: int, kind: str) -> Drill:
         drill.rank = rank if drill.variant.startswith("status:") else None
     elif kind == "driver_kill":
         drill.rank = None
+    if kind in WORKER_KINDS:  # a rank with loader workers dies, stops or fails differently (its children live on)
+        drill.workers = rng.choice((0, 2))
     return drill
 
 
@@ -482,7 +493,7 @@ class Chaos:
 
     def in_rank(self, rnd: Round, run_dir: Path) -> None:
         """kill, stop, delay, error, diskfull: DISTEVAL_FAULTS in the ranks."""
-        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, rnd.drill.faults()))
+        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, rnd.drill.faults(), rnd.drill.overrides()))
 
     def driver_kill(self, rnd: Round, run_dir: Path) -> None:
         """SIGKILL the driver once every rank evaluates (each sleeps 60 s after a batch): its ranks must stop

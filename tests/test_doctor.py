@@ -116,9 +116,14 @@ def test_healthy_run_with_trials_and_probes(tmp_path):
 
 
 def test_killed_rank(tmp_path):
+    """With loader workers (their processes outlive the killed rank and hold its pipes, so elastic sees rank 0
+    end first): the driver still names rank 1 and how it died (the launcher's reaper reads the zombie's exit)."""
     run = tmp_path / "killed"
-    proc = run_disteval(*QUICK, "dist.world_size=2", run_dir=run, env={"DISTEVAL_FAULTS": "kill@1:batch=2"})
+    proc = run_disteval(*QUICK, "dist.world_size=2", "data.num_workers=2", run_dir=run,
+                        env={"DISTEVAL_FAULTS": "kill@1:batch=2"})
     assert proc.returncode == 1
+    assert "rank 1 was killed by SIGKILL" in " ".join(proc.stderr.split()), proc.stderr[-2000:]
+    assert json.loads((run / "launch.json").read_text())["error"]["rank"] == 1
     code, report = doctor(run)
     state, culprit, overrides, remedy = verdict(report)
     assert (code, state, culprit) == (1, "INIT/ranks_ran", 1)
