@@ -1,4 +1,4 @@
-"""The headline rows a benchmark run leaves for README's performance table (``scripts/perf_table.py``).
+"""The headline rows a benchmark run leaves for docs/benchmarks.md's performance table (``scripts/perf_table.py``).
 
 ``write(name, rows, smoke)`` saves ``benchmarks/results/<name>.json``: the date (UTC), the commit, the
 machine (cores, CPU model, torch), the command and ``rows``, each ``{"measure", "value", "baseline",
@@ -65,7 +65,7 @@ def write(name: str, rows: list[dict], smoke: bool) -> Path | None:
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
     print(f"headline rows written to {path.relative_to(RESULTS.parent.parent)} (python scripts/perf_table.py "
-          "puts them into README.md)")
+          "puts them into docs/benchmarks.md)")
     return path
 
 

@@ -311,7 +311,7 @@ def measure_all(args, console) -> dict[str, dict]:
 
 
 def headline(rows: dict) -> list[dict]:
-    """README rows: disteval's load + evaluate + summarize time and peak RSS against faster-coco-eval's (issue
+    """Headline rows: disteval's load + evaluate + summarize time and peak RSS against faster-coco-eval's (issue
     targets: time <= 0.5x at W=1 and <= 0.33x at W=4, RSS no higher) and its evaluation against pycocotools'."""
     from _summary import row
 

@@ -103,7 +103,7 @@ def _median(values: list[float]) -> float:
 
 
 def report(m: dict, console: Console, smoke: bool) -> list[dict]:
-    """Print both tables; return the headline rows for README (``_summary``)."""
+    """Print both tables; return the headline rows for docs/benchmarks.md (``_summary``)."""
     table = Table(title="the canary's cost (W=2, median over repeats)")
     for col in ("job", "samples", "canary s", "evaluation s (canary on)", "evaluation s (off)", "canary share"):
         table.add_column(col, justify="right" if col != "job" else "left")

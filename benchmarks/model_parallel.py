@@ -12,7 +12,7 @@ alternating in each round), parameter bytes resident per rank (its local shards)
 (VmHWM, reset through /proc/self/clear_refs) added while building the layout and running its first pass, per
 rank (max over ranks; after one unmeasured warm-up pass, so that lazy imports are not counted); ratios against dp=4 measured in the same run. On CPU the collectives of FSDP and TP run
 over loopback TCP and the ranks share the machine's cores: the ratios show what the layouts cost here, not on
-GPUs with NVLink (README, "Models larger than one GPU", has the paper estimate for ViT-G/14 on 8 x H200).
+GPUs with NVLink (docs/model-parallel.md has the paper estimate for ViT-G/14 on 8 x H200).
 
 Checked (exit 1 naming the mismatch, never on a time): every layout counts every sample once, and the top-1
 counts of the three layouts are equal.

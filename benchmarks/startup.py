@@ -129,7 +129,7 @@ def import_floor(world_size: int, repeats: int) -> float:
 
 def headline(firsts: list[float], walls: list[float], all_marks: list, timings: list[dict], floor: float,
              world_size: int) -> list[dict]:
-    """README rows: first output; last rank joined and process wall against the import floor (the target:
+    """Headline rows: first output; last rank joined and process wall against the import floor (the target:
     process wall within 2.5x of floor + evaluation)."""
     from _summary import row
 

@@ -357,7 +357,7 @@ def check(passes: dict) -> list[str]:
 
 
 def headline(summary: dict) -> list[dict]:
-    """README rows from the run's summary (the JSON line it prints): disteval against bare and torchmetrics at
+    """Headline rows from the run's summary (the JSON line it prints): disteval against bare and torchmetrics at
     every W (issue targets: >= 0.97x bare, >= 1x torchmetrics)."""
     from _summary import row
 

@@ -84,7 +84,7 @@ class Device(str, Enum):
 
 
 class Heterogeneous(str, Enum):
-    """``dist.heterogeneous``: what a fleet whose ranks compute different bits does (README, Mixed hardware):
+    """``dist.heterogeneous``: what a fleet whose ranks compute different bits does (docs/metrics.md, Mixed hardware):
     ``warn`` runs and records the canary's measured drift (results.json ``canary``, a warning); ``refuse`` stops
     before the loop naming the ranks and nodes of each numeric class and the settings that differ; ``pin`` runs
     every rank on the lowest common kernel set (CPU: ``ATEN_CPU_CAPABILITY``; CUDA: TF32 off, highest matmul
@@ -336,12 +336,12 @@ class DistConfig:
     threads: Optional[int] = None
     allocator: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # mixed hardware (README, Mixed hardware): every rank forwards the dataset's first canary_samples samples
+    # mixed hardware (docs/metrics.md, Mixed hardware): every rank forwards the dataset's first canary_samples samples
     # before the loop and the ranks compare a 16-byte digest of the outputs (0 = no canary; under eval.compile
     # the probe is one whole batch, the loop's shape); heterogeneous: warn | refuse | pin
     canary_samples: int = 32
     heterogeneous: Heterogeneous = Heterogeneous.warn
-    # across nodes (README, Running across nodes): run the same command on each of ``nnodes`` nodes; world_size
+    # across nodes (docs/running-across-nodes.md): run the same command on each of ``nnodes`` nodes; world_size
     # is the total (world_size / nnodes ranks per node); rdzv_endpoint HOST:PORT is where the nodes meet (c10d
     # rendezvous, hosted by the node that owns HOST); node_rank null = order chosen by the rendezvous, a value =
     # torchrun's --node-rank (static rendezvous: node 0 owns the endpoint); local_addr: the address this node

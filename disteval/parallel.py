@@ -1,7 +1,7 @@
 """A rank's part in a model-parallel evaluation (``dist.parallel``): the device mesh and its communicators,
 the model split by its architecture's plan, the lockstep plan (dummy steps) and the record for results.json.
 
-The rules (README, Models larger than one GPU):
+The rules (docs/model-parallel.md):
 - the data is split over the data-parallel ranks only (``dp = dp_replicate x dp_shard``); the ``tp`` ranks of
   one TP group receive the same exact shard, batch for batch;
 - a rank whose shard has fewer batches than the others of its ``dp_shard`` group runs the planned number of

@@ -136,17 +136,25 @@ def test_bitwise_mode_check_metrics_compares_bitwise_runs_exactly():
     assert len(problems) == 2 and "W=2 bitwise" in problems[0] and "W=2 fast" in problems[1]
 
 
-def test_readme_performance_table_is_generated_from_benchmark_results():
-    """README.md's table is exactly what scripts/perf_table.py renders from benchmarks/results/*.json."""
+def _perf_table():
+    """``scripts/perf_table.py`` as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location("perf_table", REPO / "scripts" / "perf_table.py")
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    return perf
+
+
+def test_docs_benchmarks_performance_table_is_generated_from_benchmark_results():
+    """docs/benchmarks.md's table (README.md links to it) is exactly what scripts/perf_table.py renders from
+    benchmarks/results/*.json."""
+    assert _perf_table().PAGE == REPO / "docs" / "benchmarks.md"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "perf_table.py"), "--check"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_perf_table_renders_every_row_and_refuses_a_readme_without_markers(tmp_path):
-    spec = importlib.util.spec_from_file_location("perf_table", REPO / "scripts" / "perf_table.py")
-    perf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(perf)
+def test_perf_table_renders_every_row_and_refuses_a_page_without_markers(tmp_path):
+    perf = _perf_table()
     rec = {"benchmark": "x", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
            "machine": {"cores": 2, "cpu": "c", "python": "3.11", "torch": "2.14.1"},
            "rows": [{"measure": "m1", "value": "1.00", "baseline": "2.00", "ratio": 0.5},
@@ -155,8 +163,8 @@ def test_perf_table_renders_every_row_and_refuses_a_readme_without_markers(tmp_p
     table = perf.render(tmp_path)
     assert "| `python benchmarks/x.py` | m1 | 1.00 | 2.00 | 0.50x | 2026-12-02, 2 cores, torch 2.14.1, commit abc1234 |" in table
     assert "| m2 | 3 |  |  |" in table
-    readme = f"intro\n{perf.START}\nold\n{perf.END}\nrest\n"
-    assert perf.replace(readme, table) == f"intro\n{perf.START}\n{table}\n{perf.END}\nrest\n"
+    page = f"intro\n{perf.START}\nold\n{perf.END}\nrest\n"
+    assert perf.replace(page, table) == f"intro\n{perf.START}\n{table}\n{perf.END}\nrest\n"
     with pytest.raises(ValueError, match="perf-table:start"):
         perf.replace("no markers", table)
 

@@ -206,7 +206,7 @@ def test_refused_configs_name_the_key(cli, override, key):
 
 def test_fp16_scores_error_and_bytes_in_results(cli):
     """Opted-in fp16 scores: results.json comm.compression holds the measured error and bytes before/after;
-    AUROC stays within the drift documented in the README; exact states are untouched."""
+    AUROC stays within the drift documented in docs/communication.md; exact states are untouched."""
     proc, run_dir = cli("eval.metrics=[classification,ranking]", "communication.compression=fp16")
     assert proc.returncode == 0, proc.stderr
     res = load_results(run_dir)

@@ -163,7 +163,7 @@ def test_fp16_scores_auroc_drift_is_reported(outcome):
         assert none["auroc_macro"] == pytest.approx(exact, rel=1e-12)
         assert fp16["auroc_macro"] == pytest.approx(float(np.mean(ovr)), rel=1e-12)
         drift = abs(fp16["auroc_macro"] - none["auroc_macro"])
-        assert drift < 1e-4  # README: fp16 scores moved macro AUROC by 3e-6 here (1151 samples, 6 classes)
+        assert drift < 1e-4  # docs/communication.md: fp16 scores moved macro AUROC by 3e-6 here (1151 samples, 6 classes)
         stats = fp16["comm"]["ranking.scores"]
         assert stats["wire"] == "lossy:float16" and stats["bytes_after"] * 4 == stats["bytes_before"]
         assert fp16["comm"]["ranking.targets"]["wire"] == "raw:int64"  # labels are exact: never rounded

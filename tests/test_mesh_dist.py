@@ -120,7 +120,7 @@ def test_tp2_bit_identical_across_dp_sizes(runs):
 
 
 def test_tensor_parallel_float_difference_measured(runs, reference):
-    """tp > 1 against tp = 1, measured (README): the logits differ by a few float32 ulps; the argmax, hence
+    """tp > 1 against tp = 1, measured (docs/model-parallel.md): the logits differ by a few float32 ulps; the argmax, hence
     every integer count, is the same. The difference comes from the attention's layout (``prepare_vit``:
     scaled_dot_product_attention instead of nn.MultiheadAttention's fused path); against the same layout
     unsplit, tp = 2 and tp = 4 are compared too (row-parallel layers sum partial products in another order)."""

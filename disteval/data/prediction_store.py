@@ -1,6 +1,6 @@
 """A run's prediction store (``eval.save_predictions=true``, classification): one Parquet file per rank with its
 samples' predictions keyed by global sample id, and a manifest saying what produced them. Read and written with
-pyarrow; readable by pandas, polars or DuckDB (README: Keep predictions, re-score, compare).
+pyarrow; readable by pandas, polars or DuckDB (docs/predictions.md).
 
 Layout under the run directory::
 
