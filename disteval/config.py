@@ -289,7 +289,8 @@ class ParallelConfig:
     (dp_replicate x dp_shard) only; tensor-parallel peers see the same batches. dp_shard > 1 shards the model's
     parameters with FSDP2, tp > 1 splits its layers by the architecture's plan
     (``disteval.models.parallel_plans``). All null (the default): no mesh, every rank data-parallel as
-    always. A degree left null while another is set counts as 1; the product must be ``dist.world_size``."""
+    always. A degree left null while another is set counts as 1, except that with both data-parallel degrees null
+    dp_replicate takes what tp leaves (``degrees``); the product must be ``dist.world_size``."""
 
     dp_replicate: Optional[int] = None
     dp_shard: Optional[int] = None
@@ -299,19 +300,27 @@ class ParallelConfig:
     def enabled(self) -> bool:
         return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.tp))
 
-    def degrees(self) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) with null as 1."""
-        return tuple(1 if v is None else int(v) for v in (self.dp_replicate, self.dp_shard, self.tp))
+    def degrees(self, world_size: int) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) for ``world_size`` ranks: null as 1, except that when both data-parallel
+        degrees are null, dp_replicate takes the rest, ``world_size // (tp)`` (torchtitan's data-parallel degree
+        -1): ``dist.world_size=4 dist.parallel.tp=2`` is a 2 x 2 mesh."""
+        rep, shard, tp = (1 if v is None else int(v) for v in (self.dp_replicate, self.dp_shard, self.tp))
+        if self.dp_replicate is None and self.dp_shard is None and tp >= 1 and world_size % tp == 0:
+            rep = world_size // tp
+        return rep, shard, tp
 
     def validate(self, world_size: int) -> None:
         """Raises ConfigError naming ``dist.parallel`` and the values when a degree is < 1 or their product is
         not the world size."""
         for name in ("dp_replicate", "dp_shard", "tp"):
             _at_least(f"dist.parallel.{name}", getattr(self, name), 1, nullable=True)
-        rep, shard, tp = self.degrees()
+        rep, shard, tp = self.degrees(world_size)
         if self.enabled and rep * shard * tp != world_size:
+            fill = " (with dp_replicate and dp_shard null, dp_replicate takes world_size / tp)" if \
+                self.dp_replicate is None and self.dp_shard is None else ""
             raise ConfigError("dist.parallel", f"dp_replicate={rep} x dp_shard={shard} x tp={tp} = {rep * shard * tp}"
-                              f" ranks, but dist.world_size={world_size}: the product must equal the world size")
+                              f" ranks, but dist.world_size={world_size}: the product must equal the world size"
+                              f"{fill}; set dist.world_size to a multiple of {shard * tp} or the degrees to fit")
 
 
 @dataclass

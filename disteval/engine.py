@@ -67,7 +67,8 @@ class RankRun:
         self.task = resolve_task(cfg)(cfg)
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
-        self.mesh = MeshRun(ctx) if dims_from_config(cfg) is not None else None  # dist.parallel: a device mesh
+        # dist.parallel: a device mesh
+        self.mesh = MeshRun(ctx) if dims_from_config(cfg, ctx.world_size) is not None else None
         self.members = model_set.members_of(cfg)  # model.checkpoints: several networks on the same batches
         self.model = self._build_model()
         self.faults = FaultPlan(ctx.rank)

@@ -20,6 +20,7 @@ from torch.utils.data import default_collate
 
 from disteval.comm import Communicator
 from disteval.comm.mesh import MeshGroups, ParallelDims, apply_parallelism, build_mesh, load_full_state_dict
+from disteval.config import ParallelConfig
 from disteval.data.sharding import lockstep_plan
 from disteval.errors import ConfigError, DistevalError
 from disteval.models.parallel_plans import plan_for, tp_problems
@@ -27,12 +28,15 @@ from disteval.models.parallel_plans import plan_for, tp_problems
 __all__ = ["MeshRun", "dims_from_config", "first_inputs", "parallel_model"]
 
 
-def dims_from_config(cfg: Any) -> ParallelDims | None:
-    """``dist.parallel`` as ParallelDims, or None when no degree is set (no mesh: plain data parallelism)."""
+def dims_from_config(cfg: Any, world_size: int) -> ParallelDims | None:
+    """``dist.parallel`` as ParallelDims for ``world_size`` ranks (``ParallelConfig.degrees``: both data-parallel
+    degrees null -> dp_replicate = world_size / tp), or None when no degree is set (no mesh: plain data
+    parallelism)."""
     node = cfg.dist.get("parallel") if hasattr(cfg.dist, "get") else None
     if not node or all(node.get(k) is None for k in ("dp_replicate", "dp_shard", "tp")):
         return None
-    return ParallelDims(*(1 if node.get(k) is None else int(node.get(k)) for k in ("dp_replicate", "dp_shard", "tp")))
+    config = ParallelConfig(**{k: node.get(k) for k in ("dp_replicate", "dp_shard", "tp")})
+    return ParallelDims(*config.degrees(world_size))
 
 
 def parallel_model(model: nn.Module, groups: MeshGroups) -> nn.Module:
@@ -73,7 +77,7 @@ class MeshRun:
     ConfigError naming ``dist.parallel`` when the degrees do not multiply to the world size."""
 
     def __init__(self, ctx: Any):
-        self.dims = dims_from_config(ctx.cfg)
+        self.dims = dims_from_config(ctx.cfg, ctx.world_size)
         try:
             self.dims.validate(ctx.world_size)
         except ValueError as exc:

@@ -40,6 +40,27 @@ def test_parallel_config_product_must_equal_world_size():
         ParallelConfig(tp=0).validate(1)
 
 
+def test_tp_alone_leaves_the_rest_to_data_parallel_ranks():
+    """``dist.world_size=4 dist.parallel.tp=2`` (README's 2 x 2 mesh): dp_replicate takes world_size / tp, in the
+    driver's check and in the ranks' mesh (``dims_from_config`` on the composed job config); a world size that tp
+    does not divide is refused, saying what to set."""
+    from hydra import compose, initialize_config_dir
+
+    from disteval.config import conf_dir, register_schemas, validated
+    from disteval.parallel import dims_from_config
+
+    assert ParallelConfig(tp=2).degrees(4) == (2, 1, 2) and ParallelConfig(tp=2, dp_shard=1).degrees(4) == (1, 1, 2)
+    register_schemas()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        cfg = compose("config", ["+experiment=imagenet_vit_tp", "dist.world_size=4", "dist.parallel.tp=2"])
+    validated(cfg)
+    dims = dims_from_config(cfg, 4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_size) == (2, 1, 2, 2)
+    with pytest.raises(ConfigError, match=r"dist.world_size=5: the product must equal the world size \(with "
+                                          r"dp_replicate and dp_shard null.*a multiple of 2"):
+        ParallelConfig(tp=2).validate(5)
+
+
 def test_bad_mesh_fails_before_ranks_start(cli, tmp_path):
     root = _tree(tmp_path / "val", per_class=1)
     proc, run_dir = cli(*VIT, f"data.root={root}", "dist.world_size=3", "dist.parallel.tp=2")
