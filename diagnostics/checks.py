@@ -49,10 +49,13 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
     n = (run.results or {}).get("dataset", {}).get("num_samples")
     sampler = (run.results or {}).get("sampler") or run.cfg("data.sampler", "exact")
     bs = run.cfg("data.batch_size")
+    mesh = mesh_of(run)  # under a device mesh the data is split over the data-parallel ranks only
+    tp = mesh["tp"] if mesh else 1
     if n is None or not size:
         planned = [s.get("samples_planned") for s in run.statuses.values() if s]
         if sampler == "exact" and planned and all(p is not None for p in planned) and len(planned) == size:
-            n = sum(planned)
+            # one rank per data-parallel group: its TP peers plan the same samples
+            n = sum(s.get("samples_planned") for r, s in run.statuses.items() if s and r % tp == 0)
         else:
             return Finding("SHARDS", "plan", "skipped", "the dataset length is unknown (no results.json and not every "
                            "rank recorded its shard)")
@@ -75,8 +78,6 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
                        Remedy(["data.sampler=exact"], "exact unpadded shards count every sample once"),
                        culprit=first if sampler == "padded" else None, phase="data")
     aligned = run.cfg("eval.mode", "bitwise") == "bitwise" and bs  # whole global batches per rank (v2 default)
-    mesh = mesh_of(run)  # under a device mesh the data is split over the data-parallel ranks only
-    tp = mesh["tp"] if mesh else 1
     size = size // tp
     sizes = [batch_aligned_bounds(n, bs, size, r) if aligned else shard_bounds(n, size, r) for r in range(size)]
     sizes = [e - s for s, e in sizes]

@@ -12,6 +12,7 @@ ranks' errors:
 from __future__ import annotations
 
 from disteval.data.sharding import lockstep_plan, shard_batches
+from disteval.config import ParallelConfig
 
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import Finding, status_ev
@@ -32,7 +33,8 @@ def mesh_of(run: Run) -> dict | None:
         node = run.cfg("dist.parallel") or {}
         if not any(node.get(k) is not None for k in ("dp_replicate", "dp_shard", "tp")):
             return None
-        par = node
+        config = ParallelConfig(**{k: node.get(k) for k in ("dp_replicate", "dp_shard", "tp")})
+        return dict(zip(("dp_replicate", "dp_shard", "tp"), config.degrees(int(run.world_size or 1))))
     return {k: int(par.get(k) or 1) for k in ("dp_replicate", "dp_shard", "tp")}
 
 

@@ -171,6 +171,16 @@ def test_doctor_reads_the_mesh_of_a_healthy_run(mesh_run):
     assert _finding(diag, "COMM", "tp_peers").status == "pass"
 
 
+def test_doctor_counts_each_sample_once_per_data_parallel_group_without_results(mesh_run, tmp_path):
+    """A failed mesh run leaves no results.json: N comes from the shards the ranks planned, one rank per
+    data-parallel group (its TP peers plan the same samples), so the plan check neither counts a sample once per
+    TP peer nor blames rank 0 for "ranks disagree on the dataset"."""
+    run = _copy(mesh_run[0], tmp_path / "no_results")
+    (run / "results.json").unlink()
+    f = _finding(diagnose(load_run(run)), "SHARDS", "plan")
+    assert f.status == "pass" and "exact shards of N=9 over W=2" in f.finding, f.as_dict()
+
+
 def test_doctor_names_missing_dummy_steps_tp_digests_and_where_ranks_hang(mesh_run, tmp_path):
     """The real run's records, each changed as the failure would have left them."""
     # rank 3 (dp rank 1) skipped its planned dummy step
