@@ -268,7 +268,33 @@ def main() -> None:
         Plugins.instance().register(launcher)
     if not startup.info_request(sys.argv[1:]):
         startup.progress("composing the config")
+    problem = unparsable_override(sys.argv[1:])
+    if problem:
+        _err.print(f"[bold red]disteval: configuration error[/] {escape(problem)}", soft_wrap=True, highlight=False)
+        sys.exit(2)
     _main()
+
+
+def unparsable_override(argv: list[str]) -> str | None:
+    """The first override of ``argv`` that Hydra's override grammar rejects, as a message naming its key and
+    showing the quoting that works (Hydra's own error names neither: "mismatched input '{' expecting <EOF>"),
+    or None. Braces, brackets, commas and ``${`` are grammar in an unquoted value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as exc:
+            key, value = arg.split("=", 1)
+            said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return (f"{key.lstrip('+~')}: Hydra cannot parse the override {arg!r} ({said}); a value with braces, "
+                    f"brackets or commas must be quoted for Hydra inside the shell's quotes, e.g. "
+                    f"'{key}=\"{value}\"' (https://hydra.cc/docs/advanced/override_grammar/basic/)")
+    return None
 
 
 def _main() -> None:

@@ -316,3 +316,16 @@ def test_reused_run_dir_keeps_previous_records(cli, tmp_path):
     assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank0"]  # no stale rank1/rank2
     archived = list((run_dir / "previous").glob("*/results.json"))
     assert len(archived) == 1 and json.loads(archived[0].read_text())["dataset"]["num_samples"] == 30
+
+
+def test_override_hydra_cannot_parse_names_its_key_and_the_quoting_that_works(tmp_path):
+    """docs/streaming.md's brace range unquoted: Hydra's own error names no key; ours does, exit 2, and the
+    quoted form it shows composes to the literal pattern."""
+    unquoted = run_disteval("data=webdataset", "data.urls=shards/val-{000000..000009}.tar", run_dir=tmp_path / "a")
+    text = " ".join(unquoted.stderr.split())
+    assert unquoted.returncode == 2 and "configuration error data.urls: Hydra cannot parse" in text, text[-2000:]
+    assert "'data.urls=\"shards/val-{000000..000009}.tar\"'" in text and not (tmp_path / "a").exists()
+    shown = subprocess.run([sys.executable, "-m", "disteval", "data=webdataset",
+                            'data.urls="shards/val-{000000..000009}.tar"', "--cfg", "job"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert shown.returncode == 0 and "urls: shards/val-{000000..000009}.tar" in shown.stdout, shown.stderr[-2000:]
