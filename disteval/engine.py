@@ -492,9 +492,9 @@ class RankRun:
 
     def _warnings(self, rows: list[dict]) -> list[str]:
         """What the user should know although the run succeeded: the preflight's notes (an empty predictions
-        file, ineffective settings) and ranks that had nothing to evaluate (W > N, or fewer global batches
-        than ranks in bitwise mode)."""
-        out = [str(n) for n in (self.ctx.cfg.get("preflight_notes") or [])]
+        file, ineffective settings, a rebuilt cache file), the task's (``Task.run_warnings``: zero embeddings)
+        and ranks that had nothing to evaluate (W > N, or fewer global batches than ranks in bitwise mode)."""
+        out = [str(n) for n in (self.ctx.cfg.get("preflight_notes") or [])] + list(self.task.run_warnings())
         malloc = allocator.summarize([r.get("allocator") for r in rows])
         if malloc and malloc.get("warning"):
             out.append(malloc["warning"])

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from disteval.data.cache import cache_root, read_npz, say, write_npz
 from disteval.data.device_decode import EncodedImageFolder
 from disteval.errors import ConfigError, DataError
 
@@ -93,45 +94,44 @@ def _digits_split(split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _digits_cache(split: str) -> Path | None:
-    """Where the digits split is cached: ``DISTEVAL_CACHE_DIR`` (else ``$XDG_CACHE_HOME/disteval`` or
-    ``~/.cache/disteval``), one file per scikit-learn version and split. None when the version is unknown."""
+    """Where the digits split is cached (``disteval.data.cache``: ``DISTEVAL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/disteval`` or ``~/.cache/disteval``), one file per scikit-learn version and split. None
+    when the version is unknown."""
     import importlib.metadata
-    import os
 
     try:
         version = importlib.metadata.version("scikit-learn")
     except importlib.metadata.PackageNotFoundError:
         return None
-    root = os.environ.get("DISTEVAL_CACHE_DIR") or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disteval"
-    return Path(root) / f"digits-sklearn{version}-{split}-test{DIGITS_TEST_FRACTION}-seed0.npz"
+    return cache_root() / f"digits-sklearn{version}-{split}-test{DIGITS_TEST_FRACTION}-seed0.npz"
 
 
-def _digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+def _digits_shapes(arrays: dict) -> str | None:
+    """What is wrong with a digits cache file's arrays (``x`` [N, 64], ``y`` [N]), None when nothing."""
+    x, y = arrays.get("x"), arrays.get("y")
+    if x is None or y is None:
+        return f"arrays {sorted(arrays)}, not x and y"
+    if x.ndim != 2 or x.shape[1] != 64 or y.shape != (x.shape[0],):
+        return f"x of shape {x.shape} and y of shape {y.shape}, not [N, 64] and [N]"
+    return None
+
+
+def _digits_arrays(split: str, notes: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The split from the cache, else from scikit-learn (whose import costs about a second in every rank),
     then cached (atomic rename; an unwritable cache is skipped). The cache holds exactly scikit-learn's
-    arrays for its version, so the data never depend on it."""
-    import os
-    import tempfile
-
+    arrays for its version, so the data never depend on it. A corrupt cache file (truncated, garbage, wrong
+    arrays) is named and rebuilt: said in ``notes`` (the driver's preflight) or else in the rank's log."""
     path = _digits_cache(split)
-    try:
-        with np.load(path) as cached:
-            return cached["x"], cached["y"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    arrays, problem = read_npz(path, _digits_shapes) if path is not None else (None, None)
+    if arrays is not None:
+        return arrays["x"], arrays["y"]
     xs, ys = _digits_split(split)
-    if path is not None:
-        tmp = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, x=xs, y=ys)
-            os.replace(tmp, path)
-        except OSError:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
+    failed = write_npz(path, x=xs, y=ys) if path is not None else None
+    if problem:
+        done = f"could not rebuild it ({failed}): scikit-learn's split is used" if failed else \
+            "rebuilt it from scikit-learn"
+        say(f"the digits cache file {path} is corrupt or unreadable ({problem}): {done} (a cache file is "
+            "disposable; DISTEVAL_CACHE_DIR sets where the cache lives)", notes)
     return xs, ys
 
 
@@ -296,9 +296,13 @@ def input_shape(data: Any) -> tuple[int, int, int]:
     return {"digits": (1, 8, 8), "fashion_mnist": (1, 28, 28)}.get(data.name, (3, data.crop_size, data.crop_size))
 
 
-def prepare_data(data: Any) -> None:
-    """Driver-side, once: with data.download=true and no Fashion-MNIST files in data.root, download them with
+def prepare_data(data: Any, notes: list[str] | None = None) -> None:
+    """Driver-side, once: digits' cache file checked (a corrupt one rebuilt, said in ``notes``) or written, so
+    the ranks find it; with data.download=true and no Fashion-MNIST files in data.root, download them with
     torchvision (needs internet). Raises ConfigError naming data.root when that fails."""
+    if data.name == "digits":
+        _digits_arrays(str(data.split), notes)
+        return
     if data.name != "fashion_mnist" or not data.download or _fashion_files(Path(data.root), data.split):
         return
     import torchvision

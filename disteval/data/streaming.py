@@ -10,11 +10,11 @@ driver builds one into the cache before ranks start), ``data.image_mode`` (``l8`
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from disteval.data.cache import cache_root
 from disteval.data.index import ShardInfo, build_index, expand_urls, load_index, write_index
 from disteval.data.stream_plan import plan_rank, rank_bounds, shard_starts
 from disteval.data.wds_stream import SampleFormat, ShardStream, read_range, sample_name
@@ -65,10 +65,8 @@ def default_index_path(urls: Sequence[str]) -> Path:
     """Where the driver writes an index for ``data.urls`` when ``data.index`` is unset: the disteval cache
     (``DISTEVAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/disteval`` or ``~/.cache/disteval``), named by a digest of
     the URL list."""
-    root = os.environ.get("DISTEVAL_CACHE_DIR") or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disteval"
     digest = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
-    return Path(root) / f"wds-index-{digest}.json"
+    return cache_root() / f"wds-index-{digest}.json"
 
 
 def _urls(data: Any) -> list[str]:
@@ -81,26 +79,40 @@ def _urls(data: Any) -> list[str]:
         raise ConfigError("data.urls", str(exc)) from exc
 
 
+def require_samples(data: Any, shards: Sequence[ShardInfo], index: str) -> None:
+    """ConfigError naming ``data.urls`` when the shards of the index hold no sample at all (empty tars, or
+    members webdataset groups into no sample): such a run would evaluate nothing and report every metric null."""
+    if any(s.num_samples for s in shards):
+        return
+    given = data.urls if isinstance(data.urls, str) else [str(u) for u in data.urls]
+    listed = ", ".join(f"{s.url}: 0" for s in shards[:3]) + (", ..." if len(shards) > 3 else "")
+    raise ConfigError("data.urls", f"the {len(shards)} shard{'s' if len(shards) != 1 else ''} of {given} hold no "
+                      f"samples ({listed}; index {index}): nothing to evaluate; point data.urls at shards whose tar "
+                      "members are named KEY.EXT, e.g. 000001.png and 000001.cls (webdataset groups a sample's "
+                      "members by the name before the first dot and skips __*__ members)")
+
+
 def ensure_index(data: Any, out=None) -> str:
     """Driver-side, before ranks start: ``data.index`` validated against the shards, or (unset) the cached
     index, validated, else built with progress on ``out`` (None: the current ``sys.stderr``) and written.
-    Returns the index path. Raises ConfigError / DataError."""
+    Returns the index path. Raises ConfigError (``data.urls`` when the shards hold no sample) / DataError."""
     out = out or sys.stderr
     urls = _urls(data)
     if data.index is not None:
-        load_index(str(data.index), urls)
+        require_samples(data, load_index(str(data.index), urls), str(data.index))
         return str(data.index)
-    path = default_index_path(urls)
+    path, shards = default_index_path(urls), None
     if path.is_file():
         try:
-            load_index(str(path), urls)
-            return str(path)
+            shards = load_index(str(path), urls)
         except DataError as exc:
             print(f"rebuilding the shard index: {exc}", file=out)
-    print(f"indexing {len(urls)} shards into {path} (data.index unset)", file=out)
-    shards = build_index(urls, lambda i, n, s: print(f"  [{i}/{n}] {s.url}: {s.num_samples} samples", file=out))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_index(shards, str(path))
+    if shards is None:
+        print(f"indexing {len(urls)} shards into {path} (data.index unset)", file=out)
+        shards = build_index(urls, lambda i, n, s: print(f"  [{i}/{n}] {s.url}: {s.num_samples} samples", file=out))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_index(shards, str(path))
+    require_samples(data, shards, str(path))
     return str(path)
 
 
@@ -113,6 +125,7 @@ def stream_source(data: Any) -> StreamSource:
         raise DataError(f"no shard index for data.urls at {path}: the driver builds it (python -m disteval) or "
                         f"set data.index (python -m disteval.data.index ... -o index.json)")
     shards = load_index(path, urls)
+    require_samples(data, shards, path)
     fmt = SampleFormat(image_mode=str(data.image_mode), target_field=str(data.target_field),
                        on_decode_error=str(data.on_decode_error))
     return StreamSource(shards, fmt)

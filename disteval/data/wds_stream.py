@@ -15,7 +15,8 @@ minus skipped samples, so a skipped sample never moves another one into a differ
 
 Errors (DataError): a sample that fails to decode or lacks its image or target field names the shard, key
 and field (unless ``on_decode_error="skip"``); a truncated or unreadable shard, or one whose members
-differ from the index, names the shard. Nothing hangs: local shards are plain files, read to their end.
+differ from the index, names the shard; images of different shapes in one batch name each shape with the shard
+and key of its first sample. Nothing hangs: local shards are plain files, read to their end.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 TARGET_FIELDS = ("cls", "txt")
 DECODE_ERRORS = ("raise", "skip")
 
-__all__ = ["DECODE_ERRORS", "CountingFile", "SampleFormat", "ShardStream", "StreamBatch", "read_range", "sample_name", "to_float_chw"]
+__all__ = ["DECODE_ERRORS", "CountingFile", "SampleFormat", "ShardStream", "StreamBatch", "read_range", "sample_name",
+           "stack_inputs", "to_float_chw"]
 
 
 class _EndOfRange(Exception):
@@ -65,6 +67,21 @@ def to_float_chw(image: np.ndarray) -> torch.Tensor:
     else:
         x = np.ascontiguousarray(x.transpose(2, 0, 1))
     return torch.from_numpy(x)
+
+
+def stack_inputs(inputs: list[torch.Tensor], names: list[tuple[str, str]], batch: str) -> torch.Tensor:
+    """``torch.stack`` of one batch's inputs (``names``: each one's ``(shard url, key)``). Raises DataError when
+    their shapes differ, naming each shape, how many samples have it and the first one's shard and key."""
+    shapes: dict[tuple, list] = {}
+    for x, name in zip(inputs, names):
+        shapes.setdefault(tuple(getattr(x, "shape", ())), [0, name])[0] += 1
+    if len(shapes) > 1:
+        listed = ", ".join(f"{shape} for {n} sample{'s' if n != 1 else ''} (first: shard {url}, key {key!r})"
+                           for shape, (n, (url, key)) in shapes.items())
+        raise DataError(f"{batch}: images of different shapes cannot be stacked into one batch: {listed}; every "
+                        "image of a batch must have one shape: write the shards with the images resized or "
+                        "cropped to one size (the model's input size)")
+    return torch.stack(inputs)
 
 
 def sample_name(shards: Sequence[ShardInfo], starts: Sequence[int], position: int) -> tuple[str, str]:
@@ -257,16 +274,18 @@ class ShardStream(IterableDataset):
         plan = self.plans[worker]
         decoder = self._decoder()
         b, aligned, origin = self.batch_size, plan.batch_size is not None, plan.start
-        pending: list[tuple[int, Any, Any]] = []
+        pending: list[tuple[int, Any, Any, tuple[str, str]]] = []  # (position, input, target, (url, key))
         skipped: list[int] = []
         current = None  # the batch index of ``pending`` / ``skipped``
 
         def emit():
             nonlocal pending, skipped
-            out = StreamBatch(torch.stack([x for _, x, _ in pending]) if pending else None,
-                              (torch.tensor([y for _, _, y in pending], dtype=torch.int64)
-                               if self.target_field == "cls" else [y for _, _, y in pending]),
-                              torch.tensor([p for p, _, _ in pending], dtype=torch.int64),
+            where = f"global batch {current}" if aligned else f"the batch from sample position {current}"
+            out = StreamBatch(stack_inputs([x for _, x, _, _ in pending], [n for *_, n in pending], where)
+                              if pending else None,
+                              (torch.tensor([y for _, _, y, _ in pending], dtype=torch.int64)
+                               if self.target_field == "cls" else [y for _, _, y, _ in pending]),
+                              torch.tensor([p for p, *_ in pending], dtype=torch.int64),
                               torch.tensor(skipped, dtype=torch.int64), worker, current)
             pending, skipped = [], []
             return out
@@ -286,6 +305,6 @@ class ShardStream(IterableDataset):
                         raise
                     skipped.append(pos)
                     continue
-                pending.append((pos, x, y))
+                pending.append((pos, x, y, (raw["__url__"], raw["__key__"])))
         if pending or skipped:
             yield emit()

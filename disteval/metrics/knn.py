@@ -15,6 +15,13 @@ from disteval.errors import DataError
 from disteval.metrics.base import Metric
 
 VOTES = ("weighted", "majority")
+FEW = 5  # sample ids an error or warning lists
+
+
+def few_ids(ids: list[int], total: int | None = None) -> str:
+    """The first ``FEW`` of ``ids`` as text, ``...`` when ``total`` (default len(ids)) holds more."""
+    total = len(ids) if total is None else total
+    return ", ".join(str(int(i)) for i in ids[:FEW]) + (", ..." if total > FEW else "")
 
 
 def knn_class_ranking(scores: torch.Tensor, labels: torch.Tensor, num_classes: int, k: int,
@@ -125,7 +132,9 @@ class EmbeddingMetrics(Metric):
         self._queue = []
         bad = ~torch.isfinite(emb).all(1)
         if bool(bad.any()):
-            raise DataError(f"sample id {int(ids[bad][0])}: non-finite embedding ({int(bad.sum())} such samples)")
+            first = ids[bad].sort().values
+            raise DataError(f"sample id {int(first[0])}: non-finite embedding (nan or inf) for {int(bad.sum())} "
+                            f"sample(s) on this rank (sample ids {few_ids(first.tolist())})", sample_id=int(first[0]))
         if emb.shape[1] != self.spec.dim:
             raise DataError(f"embeddings have {emb.shape[1]} dimensions, expected {self.spec.dim}")
         st = self._states
@@ -141,6 +150,12 @@ class EmbeddingMetrics(Metric):
         keep = torch.nonzero((ids >= lo) & (ids < hi)).flatten()
         keep = keep[torch.argsort(ids[keep])]
         return self._states["embeddings"][keep], ids[keep] - lo, self._states["labels"][keep]
+
+    def zero_rows(self, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+        """(how many of this rank's samples have ids in [lo, hi), the ids among them whose embedding is all zero:
+        int64, ascending)."""
+        emb, pos, _ = self.rows(lo, hi)
+        return int(pos.numel()), pos[(emb == 0).all(1)] + lo
 
     def add_knn(self, scores: torch.Tensor, neighbor_labels: torch.Tensor, targets: torch.Tensor) -> None:
         """Count kNN hits of these queries (scores float32 [n, K], neighbour labels int64 [n, K], query labels

@@ -106,6 +106,12 @@ class Task(abc.ABC):
         auroc_macro, accuracy that ``metrics`` holds, else None."""
         return next((k for k in ("top1", "AP", "mIoU", "auroc_macro", "accuracy") if k in metrics), None)
 
+    def run_warnings(self) -> list[str]:
+        """What this rank's task found during the run that the user should know although the run succeeded (e.g.
+        some zero embeddings), read on rank 0 after the synchronisation into results.json ``warnings`` and the
+        console. A task that decides it from every rank's data gathers it in ``after_loop``. Default: none."""
+        return []
+
     def describe(self) -> dict:
         """Extra ``dataset`` fields for results.json (e.g. ``num_classes``)."""
         return {}

@@ -52,7 +52,7 @@ class ClassificationTask(Task):
             raise ConfigError("eval.metrics", f"{unknown} are not metric families of classification data; "
                               f"available: {list(FAMILIES)}")
         check_data_root(cfg.data)
-        prepare_data(cfg.data)
+        prepare_data(cfg.data, notes)
         data_classes = dataset_num_classes(cfg.data)
         if data_classes is not None and self.num_classes != data_classes:
             raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",

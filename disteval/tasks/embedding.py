@@ -22,7 +22,7 @@ from disteval.data.prediction_columns import classification_schema, embedding_co
 from disteval.data.prediction_store import classification_columns
 from disteval.common.formatting import fmt
 from disteval.common.topk import Rows, SearchSpec
-from disteval.data.datasets import IndexedDataset, build_dataset, check_data_root
+from disteval.data.datasets import IndexedDataset, build_dataset, check_data_root, prepare_data
 from disteval.data.pairs import COLOURS, ImageTextPairs, MixedBatch, collate_mixed
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics
@@ -30,6 +30,7 @@ from disteval.metrics.knn import EmbeddingMetrics, EmbeddingSpec, average_precis
 from disteval.models import build_model
 from disteval.models.clip import build_open_clip, is_open_clip
 from disteval.tasks.base import Task, register_task
+from disteval.tasks.embedding_checks import check_zero_embeddings, zero_census
 
 KNN_DATA = ("digits", "fashion_mnist")
 PAIRS = "generated_pairs"
@@ -84,6 +85,7 @@ class EmbeddingTask(Task):
         self._tokenize = None
         self._classifier: torch.Tensor | None = None
         self.search_bytes = 0
+        self.warnings: list[str] = []  # after_loop's (zero embeddings), for results.json ``warnings``
 
     # -- configuration checks -----------------------------------------------------------------------------
     def preflight(self, notes: list[str]) -> None:
@@ -97,6 +99,7 @@ class EmbeddingTask(Task):
                                   f"{cfg.data.name!r}")
             for split in (opt.gallery_split, opt.query_split):
                 check_data_root(self._split_cfg(split, None))
+                prepare_data(self._split_cfg(split, None), notes)
             if is_open_clip(cfg.model.name) or not opt.layer:
                 raise ConfigError("eval.embedding.layer", "kNN on a classifier needs the layer whose output is the "
                                   "embedding, e.g. classifier.3 (the fashion_cnn's penultimate layer)")
@@ -223,6 +226,13 @@ class EmbeddingTask(Task):
     def after_loop(self, metric: Any, comm: Any) -> None:
         if not isinstance(metric, EmbeddingMetrics):
             return
+        opt = self.opt
+        source = (f"eval.embedding.layer={opt.layer}, whose output is zero for these inputs (a ReLU after a dead "
+                  "layer?), and model.checkpoint / model.weights (all-zero weights?)" if opt.layer else
+                  f"model.checkpoint / model.weights of {self.cfg.model.name} (all-zero weights?)")
+        warning = check_zero_embeddings(zero_census(metric, self.parts, comm),
+                                        bool(opt.normalize) or str(opt.similarity) == "ip", source)
+        self.warnings = [warning] if warning else []
         before = comm.bytes
         if self.protocol == "knn":
             self._knn(metric, comm)
@@ -256,6 +266,10 @@ class EmbeddingTask(Task):
             metric.add_recall(search, first_hit_rank(g_lab[scores_nbr[1]], q_lab))
 
     # -- records --------------------------------------------------------------------------------------------
+    def run_warnings(self) -> list[str]:
+        """Zero embeddings found by ``after_loop`` (``disteval.tasks.embedding_checks``)."""
+        return list(self.warnings)
+
     def describe(self) -> dict:
         return {"num_classes": self.num_classes, "protocol": self.protocol,
                 "parts": {k: [lo, hi] for k, (lo, hi) in self.parts.items()}, "embedding_dim": self.dim}
