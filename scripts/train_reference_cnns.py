@@ -1,6 +1,7 @@
 """Train the reference CNNs shipped in disteval/models/checkpoints/ (seeded, CPU, a few minutes).
 
     python scripts/train_reference_cnns.py [--only digits|fashion] [--fashion-root /usr/share/datasets/fashion-mnist]
+                                           [--out DIR]   (default: disteval/models/checkpoints, the shipped ones)
 
 digits_cnn: scikit-learn digits' train split (70 %, stratified, random_state=0), evaluated on the held-out
 30 %. fashion_cnn: the 60,000-image Fashion-MNIST train set, evaluated on the 10,000-image test set.
@@ -52,16 +53,18 @@ def main() -> None:
     ap.add_argument("--only", choices=["digits", "fashion"])
     ap.add_argument("--fashion-root", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT, help="where the state dicts go (default: the shipped ones)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "digits"):
         torch.manual_seed(args.seed)
         model = DigitsCNN()
         print("digits_cnn on scikit-learn digits")
         acc = train(model, _digits("train"), _digits("test"), epochs=30, lr=3e-3, batch_size=32, seed=args.seed)
-        torch.save(model.state_dict(), OUT / "digits_cnn.pt")
-        print(f"digits_cnn: held-out top-1 {acc:.4f} -> {OUT / 'digits_cnn.pt'}")
+        torch.save(model.state_dict(), out / "digits_cnn.pt")
+        print(f"digits_cnn: held-out top-1 {acc:.4f} -> {out / 'digits_cnn.pt'}")
     if args.only in (None, "fashion"):
         torch.manual_seed(args.seed)
         model = FashionCNN()
@@ -69,8 +72,8 @@ def main() -> None:
         tr = _fashion_mnist(args.fashion_root, "train")
         te = _fashion_mnist(args.fashion_root, "test")
         acc = train(model, tr, te, epochs=4, lr=3e-3, batch_size=128, seed=args.seed)
-        torch.save(model.state_dict(), OUT / "fashion_cnn.pt")
-        print(f"fashion_cnn: test top-1 {acc:.4f} -> {OUT / 'fashion_cnn.pt'}")
+        torch.save(model.state_dict(), out / "fashion_cnn.pt")
+        print(f"fashion_cnn: test top-1 {acc:.4f} -> {out / 'fashion_cnn.pt'}")
 
 
 if __name__ == "__main__":

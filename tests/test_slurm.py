@@ -3,7 +3,7 @@ that scripts/slurm/start_cluster.sh starts (.ci/run starts it): a sweep over wor
 its own size, metrics equal to the local run, summary written), a failing rank reported as failed with its
 own error, a job cancelled with scancel reported as cancelled, and the form without -m submitting the run as
 one job (metrics equal to the local run, a failing rank named, a job that cannot be shaped refused with exit 2),
-and a sweep with a job larger than the cluster (shaped before submission, reported partial).
+(a sweep with a job larger than the cluster: README's SLURM sweep, tests/test_readme_commands.py).
 Skipped with a reason when no cluster answers (CI counts a skip as a failure)."""
 import csv
 import json
@@ -182,25 +182,6 @@ def test_without_multirun_a_job_that_cannot_be_shaped_is_refused_before_submissi
                      multirun=False, timeout=300)
     assert proc.returncode == 2 and "configuration error" in proc.stderr and "not a multiple" in proc.stderr
     assert not (run_dir / ".submitit").exists() and not (run_dir / "ranks").exists()
-
-
-def test_sweep_with_a_job_the_cluster_cannot_hold_is_shaped_first_and_reported_partial(slurm, tmp_path):
-    """-m dist.world_size=1,8 on the 4-CPU cluster: the 8-rank job is refused before anything is submitted (sinfo's
-    CPUs, not sbatch's traceback), the 1-rank job runs to the end, the driver says the sweep is partial (exit 1),
-    the summary marks the refused job and the doctor does not call the sweep healthy."""
-    sweep = tmp_path / "sweep"
-    proc = _disteval("dist.world_size=1,8", "data.limit=64", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    text = " ".join(proc.stderr.split())
-    assert proc.returncode == 1, text[-3000:]
-    assert "partial sweep" in text and "1 of 2 job(s) completed, 1 not submitted" in text and "Traceback" not in text
-    rows = {r["world_size"]: r for r in csv.DictReader(open(sweep / "summary.csv"))}
-    assert rows["1"]["status"] == "completed" and rows["8"]["status"] == "refused"
-    assert "cannot hold this job" in rows["8"]["error"] and "at most 4 rank(s) fit" in rows["8"]["error"]
-    assert not (sweep / "1" / "ranks").exists() and (sweep / "0" / "results.json").is_file()
-    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(sweep), "--json"], capture_output=True,
-                         text=True, timeout=300)
-    verdicts = [r["verdict"] for r in json.loads(out.stdout)["runs"]]
-    assert out.returncode == 1 and verdicts[0] is None and "cannot hold" in verdicts[1]["finding"], out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("path", ["/tmp/plain-1.2_x", "/tmp/a b,c=d", "/tmp/it's", "/tmp/back\\slash\\", "/tmp/~u:v"])
