@@ -217,10 +217,10 @@ def apply_compute_settings(ctx: RankContext) -> dict:
                    "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
                    "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
                    "model_dtype": prec.model_dtype_name(cfg.precision),
-                   "channels_last": bool(cfg.model.get("channels_last", False)),
-                   "compile": bool(cfg.eval.get("compile", False)),
-                   "compile_mode": str(cfg.eval.get("compile_mode", "default")) if cfg.eval.get("compile") else None,
-                   "compile_backend": str(cfg.eval.get("compile_backend", "inductor")) if cfg.eval.get("compile") else None,
+                   "channels_last": bool(cfg.model.channels_last),
+                   "compile": bool(cfg.eval.compile),
+                   "compile_mode": str(cfg.eval.compile_mode) if cfg.eval.compile else None,
+                   "compile_backend": str(cfg.eval.compile_backend) if cfg.eval.compile else None,
                    "inference_mode": True,
-                   "decode_on_device": bool(cfg.data.get("decode_on_device", False))}
+                   "decode_on_device": bool(cfg.data.decode_on_device)}
     return ctx.compute

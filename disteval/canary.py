@@ -85,7 +85,7 @@ def drift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
 
 def policy(cfg: Any) -> str:
     """``dist.heterogeneous`` of a job config as a string (warn | refuse | pin; an enum or a plain value)."""
-    value = cfg.dist.get("heterogeneous", "warn")
+    value = cfg.dist.heterogeneous
     return str(getattr(value, "value", value))
 
 

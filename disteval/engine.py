@@ -72,14 +72,14 @@ class RankRun:
         self.members = model_set.members_of(cfg)  # model.checkpoints: several networks on the same batches
         self.model = self._build_model()
         self.faults = FaultPlan(ctx.rank)
-        self.allocator = allocator.rank_record(str(cfg.dist.get("allocator", "auto")))  # what is really in force
+        self.allocator = allocator.rank_record(str(cfg.dist.allocator))  # what is really in force
         if self.faults and self.model is not None:
             self.faults.on_model(self.model)
         self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         self.seconds_load = time.perf_counter() - t_load
         _say(ctx, f"data and model loaded in {self.seconds_load:.1f} s; evaluating {len(self.dataset)} samples")
         self.bitwise = ctx.compute["mode"] == "bitwise"
-        self.sampler = str(cfg.data.get("sampler", "exact"))
+        self.sampler = str(cfg.data.sampler)
         self.policy = SyncPolicy.from_config(cfg.communication)
         n, b = len(self.dataset), int(cfg.data.batch_size)
         # the data is split over the data-parallel ranks: all ranks without a mesh, dp ranks under one
@@ -106,7 +106,7 @@ class RankRun:
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
         self.store = self._store()
-        ci_on = int(cfg.eval.get("ci", {}).get("resamples", 0) or 0) > 0 and self.task.logits_per_sample
+        ci_on = int(cfg.eval.ci.resamples) > 0 and self.task.logits_per_sample
         self.stats = None
         if ci_on:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
             self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(self._sample_columns()) for m in self.members})
@@ -118,10 +118,10 @@ class RankRun:
         cfg, device = self.ctx.cfg, self.ctx.device
 
         def prepare(net: torch.nn.Module) -> torch.nn.Module:
-            return prepare_model(net, channels_last=bool(cfg.model.get("channels_last", False)),
-                                 compile=bool(cfg.eval.get("compile", False)),
-                                 compile_mode=str(cfg.eval.get("compile_mode", "default")),
-                                 compile_backend=str(cfg.eval.get("compile_backend", "inductor")))
+            return prepare_model(net, channels_last=bool(cfg.model.channels_last),
+                                 compile=bool(cfg.eval.compile),
+                                 compile_mode=str(cfg.eval.compile_mode),
+                                 compile_backend=str(cfg.eval.compile_backend))
         if self.members:
             return model_set.build_models(self.task, self.members, device, prepare)
         model = self.task.model(device)
@@ -148,7 +148,7 @@ class RankRun:
         ``canary`` ({skipped: why} without a model, on streamed data, under a device mesh, or when off). Raises
         NumericDriftError (refuse, or pin that cannot make the ranks agree)."""
         ctx, cfg = self.ctx, self.ctx.cfg
-        samples = int(cfg.data.batch_size) if cfg.eval.get("compile") else int(cfg.dist.get("canary_samples", 32))
+        samples = int(cfg.data.batch_size) if cfg.eval.compile else int(cfg.dist.canary_samples)
         skip = ("dist.canary_samples=0" if samples == 0 else "no model (replayed predictions)" if self.model is None
                 else "streamed data (no sample every rank can read)" if isinstance(self.dataset, StreamSource)
                 else "a device mesh (its ranks compute one forward together)" if self.mesh else
@@ -191,10 +191,10 @@ class RankRun:
         return ShardSpec(self.dp_rank, self.dp_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
                          collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
-                         device=self.ctx.device, prefetch_factor=int(cfg.data.get("prefetch_factor", 4)),
-                         persistent_workers=bool(cfg.data.get("persistent_workers", True)) and int(cfg.eval.trials) > 1,
-                         warmup=bool(cfg.eval.get("compile", False)),
-                         loader_timeout_s=cfg.data.get("loader_timeout_s", 600.0),
+                         device=self.ctx.device, prefetch_factor=int(cfg.data.prefetch_factor),
+                         persistent_workers=bool(cfg.data.persistent_workers) and int(cfg.eval.trials) > 1,
+                         warmup=bool(cfg.eval.compile),
+                         loader_timeout_s=cfg.data.loader_timeout_s,
                          skipped=list(self.skipped_before) if skip else [], dummy_steps=self.dummy_steps,
                          dummy_inputs=first_inputs(self.dataset, collate) if self.dummy_steps else None)
 
@@ -233,7 +233,7 @@ class RankRun:
 
     def _step(self):
         ctx = self.ctx
-        channels_last = bool(ctx.cfg.model.get("channels_last", False))
+        channels_last = bool(ctx.cfg.model.channels_last)
 
         def step(model, inputs):
             if channels_last:
@@ -351,7 +351,7 @@ class RankRun:
         ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
         synced = synchronise(ev, comm, row, self.policy)
         outliers = rank_outliers([r["local"].get("accuracy") for r in synced.rows], [r["samples"] for r in synced.rows],
-                                 float(cfg.eval.get("outlier_z", 3.5)))
+                                 float(cfg.eval.outlier_z))
         # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
         # several trials the first trial's decision holds for all, so that every trial covers the same samples
         drop = outliers["excludable"] if not self.outcomes else self.outcomes[0]["excluded"]
@@ -372,8 +372,8 @@ class RankRun:
             elif not cov.ok:
                 log.warning("data.sampler=%s: %s", self.sampler, cov.message())
             out["coverage"], out["metrics"] = cov, final.metric.compute()
-            ci = cfg.eval.get("ci") or {}
-            if int(ci.get("resamples", 0) or 0) > 0 and self.stats is None and not self.outcomes:
+            ci = cfg.eval.ci
+            if int(ci.resamples) > 0 and self.stats is None and not self.outcomes:
                 out["intervals"] = self._task_intervals(final.metric, ci)
             if kept_runs is not None:
                 out["exclusion"] = self._exclusion_record(drop, kept_runs, synced.rows, ev.metric.compute())

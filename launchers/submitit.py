@@ -137,7 +137,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                 if unfit:
                     raise ValueError(f"the cluster cannot hold this job: it {unfit}")
                 _preflight(cfg)
-                exports = tuple(resolve_allocator(str(cfg.dist.get("allocator", "auto"))).shell_exports())
+                exports = tuple(resolve_allocator(str(cfg.dist.allocator)).shell_exports())
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
                 refused[i] = f"{type(exc).__name__}: {exc}"
                 continue

@@ -193,3 +193,42 @@ def test_functions_stay_small():
             if lines > 62 or params > 6:
                 bad.append(f"{rel}:{node.lineno} {node.name}: {lines} lines, {params} parameters")
     assert not bad, "\n".join(bad)
+
+
+def _schema_fields() -> dict[str, set[str]]:
+    """Config section name (the last attribute of ``cfg.<section>``) -> the schema's field names in it."""
+    import dataclasses
+
+    from disteval.config import DistevalConfig
+
+    out: dict[str, set[str]] = {}
+
+    def walk(cls) -> None:
+        for f in dataclasses.fields(cls):
+            inner = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                out.setdefault(f.name, set()).update(g.name for g in dataclasses.fields(inner))
+                walk(inner)
+
+    walk(DistevalConfig)
+    return out
+
+
+def test_no_get_with_a_default_restates_the_schema():
+    """Ranks and launchers read the validated job config, where every schema key exists with its default:
+    ``cfg.<section>.get("key", default)`` on a schema key restates (and can contradict) the schema's default.
+    (diagnostics/ is exempt: it reads the configs of runs recorded by older versions.)"""
+    sections = _schema_fields()
+    found = []
+    for module, path in project_modules().items():
+        if not module.startswith(("disteval", "launchers")) or module == "disteval.config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)):
+                continue
+            receiver = node.func.value
+            if isinstance(receiver, ast.Attribute) and receiver.attr in sections and \
+                    node.args[0].value in sections[receiver.attr]:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "\n".join(found)
