@@ -440,9 +440,7 @@ class RankRun:
         if self.members:
             return self._finish_members(results)
         write_results(ctx.run_dir, results)
-        report.print_metrics(results, self.task.console_section(results["metrics"]))
-        report.print_intervals(results.get("confidence_intervals"))
-        report.print_warnings(results.get("warnings") or [])
+        report.present(results, self.task.console_section)
         return results
 
     def _store_record(self, entries: list[dict]) -> dict:
@@ -468,12 +466,7 @@ class RankRun:
         blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
         results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
         write_results(self.ctx.run_dir, results)
-        report.print_checkpoint_table([b["name"] for b in blocks],
-                                      [self.task.console_section(b["metrics"]) for b in blocks])
-        report.print_metrics(dict(results, metrics={}), ([], [], []))  # the job's throughput, times, ranks
-        for b in blocks:
-            report.print_intervals(b.get("confidence_intervals"), label=b["name"])
-        report.print_warnings(results.get("warnings") or [])
+        report.present(results, self.task.console_section)
         return results
 
     def _decode_errors(self, rows: list[dict]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -205,3 +206,21 @@ def print_checkpoint_table(names: list[str], sections: list[tuple], console: Con
             notes.setdefault(str(note), []).append(name)
     for note, which in notes.items():
         console.print(f"[yellow]note[/] ({', '.join(which)}): {note}", soft_wrap=True)
+
+
+def present(results: dict, section_of: Callable[[dict], tuple], console: Console | None = None) -> None:
+    """The console of a finished run, from its results.json alone, the same on every launch path (rank 0 of local
+    ranks, the driver of a SLURM or submitit job): the metrics table with the task's section
+    (``section_of(metrics)``: the Task's ``console_section``), the intervals and the warnings; for a job of several
+    checkpoints (results.json ``checkpoints``), the table of all members, the job's times and ranks, each member's
+    intervals."""
+    blocks = results.get("checkpoints")
+    if blocks:
+        print_checkpoint_table([b["name"] for b in blocks], [section_of(b["metrics"]) for b in blocks], console)
+        print_metrics(dict(results, metrics={}), ([], [], []), console)  # the job's throughput, times, ranks
+        for b in blocks:
+            print_intervals(b.get("confidence_intervals"), console, label=b["name"])
+    else:
+        print_metrics(results, section_of(results["metrics"]), console)
+        print_intervals(results.get("confidence_intervals"), console)
+    print_warnings(results.get("warnings") or [], console)

@@ -235,7 +235,7 @@ def submit_run(task_function) -> int:
     release_run_dir(run_dir)  # claimed by this driver (hydra.callbacks.run_dir_guard); the job's rank 0 claims it
     launcher.single_run = True
     ret = launcher.launch([list(hc.overrides.task)], initial_job_idx=0)[0]
-    return _report_run(ret, run_dir)
+    return _report_run(ret, run_dir, config)
 
 
 def _sweep_outcome(returns: Sequence[JobReturn], refused: dict[int, str], sweep_dir: Path) -> int:
@@ -272,18 +272,24 @@ def _quote(value: str) -> str:
     return "'" + re.sub(r"(\\+)$", r"\1\1", escaped) + "'"
 
 
-def _report_run(ret: JobReturn, run_dir: Path) -> int:
-    """Print the outcome of ``submit_run``'s job as a local run prints its own (metrics table and results path,
-    or the failure with where its records are) and return the exit code."""
+def _report_run(ret: JobReturn, run_dir: Path, config) -> int:
+    """Print the outcome of ``submit_run``'s job as a local run prints its own (``disteval.report.present`` from
+    results.json with the task's section, built from the job's ``config``; or the failure with where its records
+    are) and return the exit code."""
     import json
 
     from rich.console import Console
     from rich.markup import escape
 
-    from disteval.report import print_metrics
+    from disteval.report import present
+    from disteval.tasks import resolve_task
 
     if ret.status == JobStatus.COMPLETED:
-        print_metrics(json.loads((run_dir / "results.json").read_text()))
+        job = config.copy()
+        with open_dict(job):
+            del job["hydra"]
+        job = OmegaConf.create(OmegaConf.to_container(job, resolve=True))
+        present(json.loads((run_dir / "results.json").read_text()), resolve_task(job)(job).console_section)
         return 0
     err = Console(stderr=True)
     exc = ret._return_value

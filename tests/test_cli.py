@@ -329,3 +329,32 @@ def test_override_hydra_cannot_parse_names_its_key_and_the_quoting_that_works(tm
                             'data.urls="shards/val-{000000..000009}.tar"', "--cfg", "job"],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert shown.returncode == 0 and "urls: shards/val-{000000..000009}.tar" in shown.stdout, shown.stderr[-2000:]
+
+
+def _console(stdout: str) -> list[str]:
+    """The run's console without what differs from run to run or by launch path: times, throughput, the number
+    of collectives (an external launcher's two broadcasts of the run directory), log lines and the results path."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith(("[20", "evaluating", "results:")) or not re.search(r"[\w]", line):
+            continue  # log lines, the progress bar, the path, table borders (their width follows the values)
+        if any(k in line for k in ("throughput", "wall time", "collectives", "evaluation (s)")):
+            line = line.split("│")[1].strip()  # the label only
+        elif re.match(r"│\s+\d+ │", line):  # a per-rank row: rank, host, shard, samples (not images/s)
+            line = "│".join(line.split("│")[:5])
+        out.append(" ".join(line.split()))
+    return [line for line in out if line]
+
+
+def test_local_and_submitit_consoles_of_one_job_are_the_same(tmp_path):
+    """Issue 29 point 3: the console comes from results.json on every launch path (``disteval.report.present``):
+    the same job run by local ranks and submitted through submitit (its driver prints after the job ended) shows
+    the same tables, task section and notes."""
+    job = ("data.limit=64", "eval.progress=false")
+    local = run_disteval(*job, run_dir=tmp_path / "local", env={"COLUMNS": "120"})
+    submitted = run_disteval(*job, "hydra/launcher=submitit_local", run_dir=tmp_path / "submitit",
+                             env={"COLUMNS": "120"})
+    assert local.returncode == 0 and submitted.returncode == 0, submitted.stderr[-3000:]
+    assert not (tmp_path / "submitit" / "launch.json").exists() and (tmp_path / "submitit" / ".submitit").is_dir()
+    a, b = _console(local.stdout), _console(submitted.stdout)
+    assert a == b and "│ top-1 accuracy │ 1.0000 │" in a and len(a) > 15, "\n".join(a + ["---"] + b)
