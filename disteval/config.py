@@ -594,10 +594,7 @@ class DistevalConfig:
         if self.eval.exclude_outlier_ranks and self.data.sampler != "exact":
             raise ConfigError("eval.exclude_outlier_ranks", f"needs data.sampler=exact: with {self.data.sampler} the "
                               "ranks share repeated samples, so leaving a rank out is not leaving its shard out")
-        self._check_checkpoints()
-        if self.eval.exclude_outlier_ranks and "classification" not in self.eval.metrics:
-            raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from per-rank top-1 accuracy: "
-                              "it needs classification in eval.metrics")
+        self._check_checkpoints()  # eval.exclude_outlier_ranks needs the task's Task.rank_metric (the preflight)
 
 
     def _check_checkpoints(self) -> None:

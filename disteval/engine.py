@@ -343,15 +343,16 @@ class RankRun:
             log_ = dict(ev.batch_log(), schema_version=1, rank=ctx.rank, batch_size=int(cfg.data.batch_size),
                         mode=ctx.compute["mode"])
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "batches.json", log_)
-        exclude = bool(cfg.eval.get("exclude_outlier_ranks"))
+        exclude = bool(cfg.eval.exclude_outlier_ranks)
         local = ev.state_dict() if exclude else None
         if self.mesh is not None:
             ctx.status.update(in_collective={"op": "tp_check", "since": time.time()}, force=True)
             self.mesh.tp_check = check_tp_peers(ev, self.mesh.tp_comm, self.mesh.groups.tp_peers)
         ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
         synced = synchronise(ev, comm, row, self.policy)
-        outliers = rank_outliers([r["local"].get("accuracy") for r in synced.rows], [r["samples"] for r in synced.rows],
-                                 float(cfg.eval.outlier_z))
+        key = self.task.rank_metric  # the task's per-rank result; None: outliers are not looked for
+        outliers = rank_outliers([r["local"].get(key) if key else None for r in synced.rows],
+                                 [r["samples"] for r in synced.rows], float(cfg.eval.outlier_z))
         # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
         # several trials the first trial's decision holds for all, so that every trial covers the same samples
         drop = outliers["excludable"] if not self.outcomes else self.outcomes[0]["excluded"]

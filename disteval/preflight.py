@@ -102,6 +102,9 @@ def check_job(cfg: Any, notes: list[str]) -> None:
         resolve_task(job)(job).preflight(notes)
         notes[len(seen):] = [n for n in notes[len(seen):] if n not in seen]
     task = resolve_task(cfg)(cfg)
+    if cfg.eval.exclude_outlier_ranks and task.rank_metric is None:
+        raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "
+                          "metric to find outlier ranks from (Task.rank_metric; classification's is top-1 accuracy)")
     metric, policy = task.metric(), SyncPolicy.from_config(cfg.communication)
     check_sync_policy(metric, policy)
     notes.extend(sync_policy_notes(metric, policy))

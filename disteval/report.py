@@ -104,13 +104,14 @@ def print_metrics(results: dict, section: tuple | None = None, console: Console 
         console.print("fast mode: counts are exact, float metrics may differ in the last bits with the world size "
                       "(eval.mode=bitwise makes them identical)", soft_wrap=True, highlight=False)
     if 1 < len(results["per_rank"]) <= 16:
+        key = (results.get("task") or {}).get("rank_metric")  # the task's per-rank result (Task.rank_metric)
         ranks = Table(title="per rank")
-        for col in ("rank", "host", "shard", "samples", "images/s", "local accuracy"):
+        for col in ("rank", "host", "shard", "samples", "images/s", *([f"local {key}"] if key else [])):
             ranks.add_column(col, justify="right")
         for p in results["per_rank"]:
             ips = p["images_per_s"]
             ranks.add_row(str(p["rank"]), str(p["host"]), f"[{p['shard'][0]}, {p['shard'][1]})", str(p["samples"]),
-                          "n/a" if ips is None else f"{ips:,.0f}", fmt(p["metrics"].get("accuracy")))
+                          "n/a" if ips is None else f"{ips:,.0f}", *([fmt(p["metrics"].get(key))] if key else []))
         console.print(ranks)
     _print_robustness(console, results)
     console.print(f"results: {Path(results['run_dir']) / 'results.json'}", soft_wrap=True)
@@ -144,7 +145,8 @@ def _print_robustness(console: Console, results: dict) -> None:
     out = results.get("outliers") or {}
     hosts = {p["rank"]: p["host"] for p in results["per_rank"]}
     for r in out.get("outliers") or []:
-        console.print(f"[yellow]outlier rank:[/] rank {r} on {hosts.get(r)}: local accuracy z = {out['z'][r]:+.1f} "
+        key = (results.get("task") or {}).get("rank_metric") or "accuracy"
+        console.print(f"[yellow]outlier rank:[/] rank {r} on {hosts.get(r)}: local {key} z = {out['z'][r]:+.1f} "
                       f"(modified z-score, median {out['median']:.4f}, |z| > {out['threshold']:g})", soft_wrap=True)
     ex = results.get("exclusion")
     if ex:

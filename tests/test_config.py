@@ -108,11 +108,11 @@ def test_checkout_uses_its_conf_folder():
     ("eval.status_interval_s=0", "eval.status_interval_s"), ("eval.status_interval_s=nan", "eval.status_interval_s")])
 def test_robust_aggregation_settings_refused_before_ranks(override, key):
     from disteval.errors import ConfigError
-    from disteval.preflight import validate_config
+    from disteval.preflight import preflight
 
     cfg = _compose(*override.split(",") if "[" not in override else override.split(",", 1))
     with pytest.raises(ConfigError) as info:
-        validate_config(cfg)
+        preflight(cfg)  # the schema's checks, then the task's (outlier ranks need its per-rank metric)
     assert info.value.key == key
 
 

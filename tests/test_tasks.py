@@ -105,3 +105,37 @@ def test_engine_knows_no_task_names():
         text = (REPO / "disteval" / module).read_text()
         for word in ("coco", "detection", "classification", "digits", "fashion", "imagefolder", "is_detection"):
             assert word not in text.lower(), (module, word)
+
+
+def test_per_rank_metric_comes_from_the_task(tmp_path):
+    """Outlier ranks and the per-rank console column use ``Task.rank_metric`` (results.json ``task.rank_metric``),
+    not a classification key in the engine: a task without one refuses eval.exclude_outlier_ranks before any rank
+    starts, and its console has no per-rank metric column; classification's is "accuracy"."""
+    import io
+
+    from rich.console import Console
+
+    from disteval.data.coco_keypoints_synthetic import make_synthetic_keypoints
+    from disteval.preflight import preflight
+    from disteval.report import present
+
+    gt, dt = make_synthetic_keypoints(tmp_path / "kp", num_images=4, seed=1)
+    cfg = job({"model": {"name": "replay"}, "eval": {"metrics": ["keypoints"], "exclude_outlier_ranks": True},
+               "data": {"name": "coco_keypoints_replay", "annotations": str(gt), "predictions": str(dt)}})
+    task = resolve_task(cfg)(cfg)
+    assert task.rank_metric is None and resolve_task(job({}))(job({})).rank_metric == "accuracy"
+    with pytest.raises(ConfigError, match="no per-rank metric to find outlier ranks from") as info:
+        preflight(cfg)
+    assert info.value.key == "eval.exclude_outlier_ranks"
+    results = {"metrics": {"AP": 0.5}, "model": {"name": "replay"}, "dataset": {"name": "kp", "num_samples": 4},
+               "world_size": 2, "throughput": {"images_per_s": None}, "timings": {"total": 1.0, "load": 0.1, "sync": 0.01},
+               "comm": {"collectives": 2, "bytes": 10}, "run_dir": str(tmp_path), "task": task.identity(),
+               "per_rank": [{"rank": r, "host": "h", "shard": [2 * r, 2 * r + 2], "samples": 2, "images_per_s": None,
+                             "metrics": {}} for r in range(2)]}
+    out = io.StringIO()
+    present(results, task.console_section, Console(file=out, width=160))
+    assert "per rank" in out.getvalue() and "local" not in out.getvalue()
+    results["task"] = dict(results["task"], rank_metric="accuracy")
+    out = io.StringIO()
+    present(results, task.console_section, Console(file=out, width=160))
+    assert "local accuracy" in out.getvalue()

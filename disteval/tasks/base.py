@@ -32,6 +32,10 @@ class Task(abc.ABC):
     # outputs are logits [B, C] against class-index targets [B]: the prediction store (eval.save_predictions) and
     # the bootstrap intervals (eval.ci) take them per sample
     logits_per_sample: ClassVar[bool] = False
+    # a key of the metric's ``local_summary()`` stating each rank's own result (a fraction in [0, 1], e.g.
+    # classification's "accuracy"): the per-rank console column and outlier-rank detection (eval.outlier_z,
+    # eval.exclude_outlier_ranks) use it; None: neither (the task's preflight refuses exclude_outlier_ranks)
+    rank_metric: ClassVar[str | None] = None
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -119,7 +123,8 @@ class Task(abc.ABC):
     def identity(self) -> dict:
         """results.json ``task``: ``name`` and ``class`` (``module:QualName``), so records of a plug-in task
         say what ran."""
-        return {"name": self.name or type(self).__name__, "class": f"{type(self).__module__}:{type(self).__qualname__}"}
+        return {"name": self.name or type(self).__name__, "class": f"{type(self).__module__}:{type(self).__qualname__}",
+                "rank_metric": self.rank_metric}
 
     def console_section(self, metrics: dict) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
         """How the console shows this task's metrics: (rows of (label, formatted value) for the main table,

@@ -30,6 +30,7 @@ class ClassificationTask(Task):
     name = "classification"
     data_names = ("digits", "fashion_mnist", "imagefolder", "webdataset")
     logits_per_sample = True
+    rank_metric = "accuracy"  # each rank's local top-1 (ClassificationMetrics.local_summary)
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -51,6 +52,9 @@ class ClassificationTask(Task):
         if unknown:
             raise ConfigError("eval.metrics", f"{unknown} are not metric families of classification data; "
                               f"available: {list(FAMILIES)}")
+        if cfg.eval.exclude_outlier_ranks and "classification" not in cfg.eval.metrics:
+            raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from each rank's top-1 accuracy "
+                              "(Task.rank_metric): it needs classification in eval.metrics")
         check_data_root(cfg.data)
         prepare_data(cfg.data, notes)
         data_classes = dataset_num_classes(cfg.data)
