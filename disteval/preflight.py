@@ -119,7 +119,7 @@ def check_parallel(cfg: Any, notes: list[str]) -> None:
     node = cfg.dist.get("parallel")
     if not node or all(node.get(k) is None for k in ("dp_replicate", "dp_shard", "tp")):
         return
-    if str(cfg.data.get("name")) == "webdataset":
+    if resolve_task(cfg)(cfg).streamed:
         raise ConfigError("dist.parallel", f"data.name={cfg.data.name} is streamed from tar shards; a device mesh "
                           "needs a map-style dataset")
     if cfg.eval.get("exclude_outlier_ranks"):

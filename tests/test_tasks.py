@@ -139,3 +139,15 @@ def test_per_rank_metric_comes_from_the_task(tmp_path):
     out = io.StringIO()
     present(results, task.console_section, Console(file=out, width=160))
     assert "local accuracy" in out.getvalue()
+
+
+def test_streamed_data_is_the_task_s_knowledge():
+    """``Task.streamed`` (classification: webdataset), not a data name in the driver, refuses a device mesh."""
+    from disteval.preflight import check_parallel
+
+    cfg = job({"data": {"name": "webdataset", "urls": "shards-{0..1}.tar"},
+               "dist": {"world_size": 2, "parallel": {"tp": 2}}})
+    assert resolve_task(cfg)(cfg).streamed and not resolve_task(job({}))(job({})).streamed
+    with pytest.raises(ConfigError, match="streamed from tar shards") as info:
+        check_parallel(cfg, [])
+    assert info.value.key == "dist.parallel"

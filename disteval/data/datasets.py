@@ -28,6 +28,12 @@ from disteval.data.device_decode import EncodedImageFolder
 from disteval.errors import ConfigError, DataError
 
 DATASETS = ("digits", "fashion_mnist", "imagefolder", "webdataset")
+STREAMED = ("webdataset",)  # read as a stream of tar shards planned per rank (disteval.data.streaming)
+
+
+def is_streamed(data: Any) -> bool:
+    """Whether the ``data`` config names a streamed dataset (no random access: no device mesh, no canary)."""
+    return str(data.get("name")) in STREAMED
 DIGITS_TEST_FRACTION = 0.3
 _IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

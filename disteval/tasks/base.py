@@ -110,6 +110,12 @@ class Task(abc.ABC):
         auroc_macro, accuracy that ``metrics`` holds, else None."""
         return next((k for k in ("top1", "AP", "mIoU", "auroc_macro", "accuracy") if k in metrics), None)
 
+    @property
+    def streamed(self) -> bool:
+        """Whether this job's data are streamed (tar shards planned per rank, no random access): the driver
+        refuses a device mesh for them (``dist.parallel`` splits data by data-parallel rank). Default False."""
+        return False
+
     def run_warnings(self) -> list[str]:
         """What this rank's task found during the run that the user should know although the run succeeded (e.g.
         some zero embeddings), read on rank 0 after the synchronisation into results.json ``warnings`` and the

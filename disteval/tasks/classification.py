@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape,
+from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_classes, input_shape, is_streamed,
                                     prepare_data)
 from disteval.data.prediction_columns import classification_schema
 from disteval.data.prediction_store import classification_columns, load_store, read_manifest
@@ -45,6 +45,10 @@ class ClassificationTask(Task):
         if self._num_classes is None:
             self._num_classes = resolve_num_classes(self.cfg.model, dataset_num_classes(self.cfg.data))
         return self._num_classes
+
+    @property
+    def streamed(self) -> bool:
+        return is_streamed(self.cfg.data)
 
     def preflight(self, notes: list[str]) -> None:
         cfg = self.cfg
