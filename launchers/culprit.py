@@ -61,6 +61,9 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     first = heartbeat_stopped_first(records)
     if first is not None:
         r, gap = first
+        if deaths.get(r):  # the launcher saw how it ended: say that, not only that it fell silent
+            return Culprit(r, f"rank {r} {deaths[r]} without recording an error, in {recorded_progress(records[r])} "
+                              f"(its heartbeat stopped {gap:.0f} s before any other rank's last sign of life)")
         return Culprit(r, f"rank {r}'s heartbeat stopped first, {gap:.0f} s before any other rank's last sign of "
                           f"life, in {recorded_progress(records[r])}: the process was stopped, froze or died")
     if errors and all(e[2]["error"].get("type") in CONSEQUENCE_TYPES for e in errors) and not deaths:
