@@ -28,7 +28,7 @@ from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
 from disteval.config import DistevalConfig, conf_dir, register_schemas
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
-                             RunInterrupted)
+                             RunInterrupted, SweepExit)
 from disteval import rundir
 from disteval.records import LaunchRecord
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
@@ -304,8 +304,8 @@ def _main() -> None:
     try:
         _hydra_main()
     except SystemExit as exc:
-        if exc.code == 1 and not _composed and rundir.refused_with is None:  # a full disk at the claim stays 1
-            sys.exit(2)
+        if exc.code == 1 and not _composed and rundir.refused_with is None and not isinstance(exc, SweepExit):
+            sys.exit(2)  # (a full disk at the claim stays 1, and so does a launcher's partial sweep)
         raise
 
 

@@ -110,3 +110,9 @@ class NumericDriftError(DistevalError):
     def __init__(self, message: str, record: dict | None = None):
         self.record = record or {}
         super().__init__(message)
+
+
+class SweepExit(SystemExit):
+    """The exit code a launcher decided for a whole sweep (1: a partial sweep, 2: nothing was submitted), raised
+    from inside Hydra's multirun so that its own reporting does not turn it into a traceback; the CLI passes it
+    on as it is (a plain SystemExit(1) there means Hydra could not compose the config: exit 2)."""

@@ -41,6 +41,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf, open_dict
 
 from disteval.common.allocator import resolve as resolve_allocator
+from disteval.errors import SweepExit
 from launchers.culprit import find_culprit
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
 
             if len(refused) < len(returns):
                 summarize_sweep(sweep_dir)
-            raise SystemExit(_sweep_outcome(returns, refused, sweep_dir))
+            raise SweepExit(_sweep_outcome(returns, refused, sweep_dir))
         return returns
 
     def _plan(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
