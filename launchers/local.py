@@ -243,7 +243,8 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     except ChildFailedError as exc:
         # ranks the reaper killed after another rank failed are consequences: not deaths of their own
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
-        deaths.update({r: how for r, how in reaper.dead.items() if r not in deaths and r not in reaper.killed})
+        if not deaths:  # elastic saw only ranks the reaper stopped: the reaper's own account of who ended first
+            deaths = {r: how for r, how in reaper.dead.items() if r not in reaper.killed}
         culprit = find_culprit(run_dir, world_size, deaths)
         error = RankFailedError(culprit.rank, culprit.message, deaths)
         recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
