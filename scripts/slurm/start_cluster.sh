@@ -192,10 +192,12 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 
-# munge with a private socket (the system's /run/munge is not ours)
+# munge with a private socket (the system's /run/munge is not ours); cred_expire: a job step credential's
+# lifetime, which is also how long a requeued job waits before it may start again (default 120 s: the requeue
+# test waited 143 s for it)
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCK
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=30
 
 # every file under the root
 StateSaveLocation=$R/ctld
