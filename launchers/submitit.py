@@ -286,10 +286,7 @@ def _report_run(ret: JobReturn, run_dir: Path, config) -> int:
     from disteval.tasks import resolve_task
 
     if ret.status == JobStatus.COMPLETED:
-        job = config.copy()
-        with open_dict(job):
-            del job["hydra"]
-        job = OmegaConf.create(OmegaConf.to_container(job, resolve=True))
+        job = _job_config(config)
         present(json.loads((run_dir / "results.json").read_text()), resolve_task(job)(job).console_section)
         return 0
     err = Console(stderr=True)
@@ -327,10 +324,15 @@ def _preflight(cfg) -> None:
     checkpoint, metric families, sync policy) except the rendezvous address, which the job's own nodes provide."""
     from disteval.preflight import check_job
 
+    check_job(_job_config(cfg), [])
+
+
+def _job_config(cfg):
+    """One job's config as its ranks see it: the composed config without the hydra node, resolved."""
     job = cfg.copy()
     with open_dict(job):
         del job["hydra"]
-    check_job(OmegaConf.create(OmegaConf.to_container(job, resolve=True)), [])
+    return OmegaConf.create(OmegaConf.to_container(job, resolve=True))
 
 
 def _disteval_error(job) -> str | None:
