@@ -294,12 +294,14 @@ def test_killed_driver_from_records_without_driver_died_errors(tmp_path):
     code, report = doctor(run)
     v, _ = entry(report)
     assert (code, v["check"], v["status"]) == (1, "launch", "fail") and "died" in v["finding"]
-    edit(run / "launch.json", lambda l: l.update(t_heartbeat=time.time()))
+    # fresh by the record's own period (60 s: stale after 180 s), so a doctor slow to start on a busy machine
+    # still reads it fresh (the default period's 10 s floor was once passed before the doctor read the record)
+    edit(run / "launch.json", lambda l: l.update(t_heartbeat=time.time(), heartbeat_s=60.0))
     code, report = doctor(run)
     v, remedy = entry(report)
     assert (code, v["check"], v["status"], remedy) == (1, "launch", "unknown", None)
     assert "fresh" in v["finding"]
-    edit(run / "launch.json", lambda l: (age(l), l.update(host="another-host.example")))
+    edit(run / "launch.json", lambda l: (age(l), l.pop("heartbeat_s"), l.update(host="another-host.example")))
     code, report = doctor(run)
     v, _ = entry(report)
     assert (code, v["check"], v["status"]) == (1, "launch", "unknown") and "another-host.example" in v["finding"]
