@@ -217,8 +217,7 @@ def child(args) -> None:
     if "disteval" in methods:  # disteval's own bootstrap creates the process group the other methods reuse
         from disteval.bootstrap import apply_compute_settings, connect, open_records
         from disteval.comm import RankEnv, destroy_process_group
-        from disteval.engine import RankRun
-        from disteval.watchdog import Watchdog, beat_interval
+        from disteval.engine import RankRun, start_watchdog
 
         class Run(RankRun):
             def evaluator(self):  # keeps the trial's evaluator, for the exact synced counts
@@ -227,9 +226,7 @@ def child(args) -> None:
 
         env = RankEnv.from_env() if w > 1 else None
         ctx = open_records(cfg, args.workdir, env)  # one run directory shared by the ranks of this launch
-        timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s,
-                                                                    cfg.eval.status_interval_s))
-        watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, rank, w, timing, None).start()
+        watchdog = start_watchdog(ctx, None)
         connect(ctx)
         apply_compute_settings(ctx)
         run = Run(ctx)

@@ -19,6 +19,7 @@ import statistics
 import time
 from typing import Callable
 
+from disteval.common.liveness import beat_lag, stale_after
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
 from disteval.records import is_network_error, recorded_progress
@@ -325,7 +326,7 @@ def _stall_kind(run: Run, r: int, timed: dict[int, dict]) -> tuple[str | None, l
     stale = seen.get("stale_s", seen.get("heartbeat_age_s"))
     if stale is not None:
         ev.append(_status_ev(run, q, "error.evidence.stale_s" if "stale_s" in seen else "error.evidence.heartbeat_age_s"))
-    limit = max(3.0 * float(s.get("heartbeat_s") or 1.0), 2.0)
+    limit = beat_lag(s.get("heartbeat_s"))
     if stale is not None and float(stale) > limit:  # what the peer saw when it gave up (a frozen rank may beat again
         return "stopped", ev, max(gap, float(stale))  # after a thaw, rewriting t_heartbeat)
     return ("stopped" if gap > limit else "alive"), ev, gap
@@ -371,7 +372,7 @@ def comm_heartbeats(run: Run, probes: dict | None) -> Finding:
         same = [float(q["t_heartbeat"]) for k, q in open_.items() if k != r and q.get("host") == s.get("host")
                 and isinstance(q.get("t_heartbeat"), (int, float))]
         if v.state == "undecided" and isinstance(beat, (int, float)) and same and \
-                max(same) - float(beat) > max(3.0 * float(s.get("heartbeat_s") or 1.0), 10.0):
+                max(same) - float(beat) > stale_after(s.get("heartbeat_s")):
             v.state, v.why = "stopped", f"{v.why}, {max(same) - float(beat):.0f} s behind a rank on the same host"
     bad = sorted((r for r, v in views.items() if v.state in ("dead", "stopped")),
                  key=lambda r: (float(open_[r].get("t_heartbeat") or 0.0), r))

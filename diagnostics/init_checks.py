@@ -15,13 +15,14 @@ import time
 from omegaconf import OmegaConf
 
 from disteval.faults import parse as parse_faults
+from disteval.common.liveness import DRIVER_HEARTBEAT_S
 from disteval.records import is_network_error, recorded_progress
 from launchers.culprit import CONSEQUENCE_TYPES, is_consequence
 
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import (Finding, culprit as _culprit, disk_full, error_ev, errors, interrupted,
                                   status_ev, what_was_found)
-from diagnostics.liveness import DRIVER_HEARTBEAT_S, ProcessView, almost_full, disk_free, examine, heartbeat
+from diagnostics.liveness import ProcessView, almost_full, disk_free, examine, heartbeat
 from diagnostics.phases import describe, fetch_failure, rank_phase, url_in, weights_url
 from diagnostics.remedies import Remedy
 

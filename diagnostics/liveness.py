@@ -15,20 +15,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disteval.common.liveness import stale_after
 from disteval.common.netif import node_id
 from disteval.records import boot_id, process_state
 
 from diagnostics.evidence import Evidence
 
-DRIVER_HEARTBEAT_S = 2.0   # launch.json's heartbeat period when the record does not say
-RANK_HEARTBEAT_S = 1.0     # a rank's, when its record does not say
-MIN_STALE_S = 10.0
 ALMOST_FULL_BYTES = 8 << 20  # at most this little free space (and under 1 % of the filesystem) is "almost full"
-
-
-def stale_after(heartbeat_s: float | None, default: float = RANK_HEARTBEAT_S) -> float:
-    """Seconds after which a heartbeat is stale: three beats, at least ``MIN_STALE_S``."""
-    return max(3.0 * float(heartbeat_s or default), MIN_STALE_S)
 
 
 def process_start(pid: int) -> float | None:

@@ -359,10 +359,14 @@ class DistConfig:
     node_rank: Optional[int] = None
     rdzv_endpoint: Optional[str] = None
     local_addr: Optional[str] = None
+    # seconds without a heartbeat that make a rank silent (stopped, frozen, dead) to its peers' watchdogs; null =
+    # communication.timeout_s (disteval/common/liveness.py: the three timeouts and what each one means)
+    heartbeat_timeout_s: Optional[float] = None
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``dist.*`` key."""
         _at_least("dist.world_size", self.world_size, 1)
+        _finite_positive("dist.heartbeat_timeout_s", self.heartbeat_timeout_s, nullable=True, most=MAX_TIMEOUT_S)
         _at_least("dist.nnodes", self.nnodes, 1)
         if self.nnodes > 1:
             if self.world_size % self.nnodes:

@@ -28,6 +28,7 @@ from disteval.bootstrap import RankContext, apply_compute_settings, connect, log
 from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import allocator, startup
 from disteval.common.fingerprint import numeric_classes, rank_fingerprint
+from disteval.common.liveness import beat_interval, heartbeat_timeout, heartbeat_timeout_key
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError, NumericDriftError
@@ -48,7 +49,7 @@ from disteval.records import (atomic_write_json, build_results, config_digest, r
 from disteval.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
 from disteval.sync import SyncPolicy, check_tp_peers, synchronise
 from disteval.tasks import resolve_task
-from disteval.watchdog import Watchdog, beat_interval, parent_to_watch, record_driver_death
+from disteval.watchdog import Watchdog, parent_to_watch, record_driver_death
 
 __all__ = ["PeerFailedError", "RankRun", "run_rank", "worker_entry"]
 
@@ -190,7 +191,8 @@ class RankRun:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()
         return ShardSpec(self.dp_rank, self.dp_size, int(cfg.data.batch_size), aligned=self.bitwise,
                          sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
-                         collate_fn=collate, pin_memory=self.ctx.device.type == "cuda" and collate is None,
+                         collate_fn=self.faults.loader_collate(collate),
+                         pin_memory=self.ctx.device.type == "cuda" and collate is None,
                          device=self.ctx.device, prefetch_factor=int(cfg.data.prefetch_factor),
                          persistent_workers=bool(cfg.data.persistent_workers) and int(cfg.eval.trials) > 1,
                          warmup=bool(cfg.eval.compile),
@@ -215,6 +217,8 @@ class RankRun:
             watch = PeerWatch(ctx.run_dir, ctx.world_size, float(ctx.cfg.communication.timeout_s), progress_display,
                               started=ctx.status.record["t_start"])
             watch.read = ctx.read_peer
+            if int(ctx.cfg.data.num_workers) > 0:  # a peer waiting for its workers is left to their timeout
+                watch.loader_timeout_s = ctx.cfg.data.loader_timeout_s
             if ctx.filesystem == "node-local":  # the other nodes' records, copied into this node's run directory
                 watch.relay_to = (ctx.run_dir, ctx.net["node"])
             self.watch = watch
@@ -545,6 +549,18 @@ def _timings(load: float, sync: float, t_total: float, after_loop: float = 0.0) 
             "process_wall_s": startup.seconds_since_start()}
 
 
+def start_watchdog(ctx: RankContext, parent: int | None) -> Watchdog:
+    """This rank's heartbeat and its watch of peers and driver, timed by ``dist.heartbeat_timeout_s``
+    (``disteval.common.liveness``)."""
+    cfg = ctx.cfg
+    timeout_s = heartbeat_timeout(cfg.dist.heartbeat_timeout_s, cfg.communication.timeout_s)
+    timing = (timeout_s, beat_interval(timeout_s, cfg.eval.status_interval_s))
+    watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, ctx.rank, ctx.world_size, timing, parent)
+    watchdog.timeout_key = heartbeat_timeout_key(cfg.dist.heartbeat_timeout_s)
+    watchdog.read = ctx.read_peer
+    return watchdog.start()
+
+
 def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
     """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
     the coverage check, results.json and the console report. Returns the results dict on rank 0.
@@ -556,11 +572,8 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     traceback) before it propagates."""
     apply_at_start(env.rank if env is not None else 0)  # a drill's kernel set: before this process's first kernel
     ctx = open_records(cfg, run_dir, env)
-    timing = (float(cfg.communication.timeout_s), beat_interval(cfg.communication.timeout_s, cfg.eval.status_interval_s))
     parent = parent_to_watch(env is not None)
-    watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, ctx.rank, ctx.world_size, timing, parent)
-    watchdog.read = ctx.read_peer
-    watchdog.start()
+    watchdog = start_watchdog(ctx, parent)
     if threading.current_thread() is threading.main_thread():
         record_driver_death(parent)
     try:

@@ -14,6 +14,10 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
                                                    process: alive, holding its sockets, doing nothing)
     DISTEVAL_FAULTS="stop@0:sync=1"                rank 0 stops itself on reaching the final synchronisation
     DISTEVAL_FAULTS="error@1:batch=3"              rank 1 raises RuntimeError after its 3rd batch
+    DISTEVAL_FAULTS="stall@1:batch=2"              rank 1's loader stops delivering after its 2nd batch: the
+                                                   process collating its 3rd batch (a loader worker, or the rank
+                                                   itself with data.num_workers=0) sleeps ``seconds`` (default
+                                                   3600) there, as a worker stuck on a dead file system would
     DISTEVAL_FAULTS="diskfull@0:batch=2"           after its 2nd batch every record write of rank 0 fails with
                                                    ENOSPC, as on a full disk (until the run's reserve is freed)
     DISTEVAL_FAULTS="cpu@1:capability=default"    rank 1 computes with torch's DEFAULT CPU kernels
@@ -41,8 +45,10 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
+from torch.utils.data import default_collate, get_worker_info
 
 from disteval.common.drills import simulate_full_disk
 from disteval.common.kernels import ENV as CAPABILITY_ENV
@@ -51,7 +57,7 @@ from disteval.resume import checkpoint_signal
 ENV = "DISTEVAL_FAULTS"
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
          "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"},
-         "cpu": {"capability"}, "tf32": set()}
+         "cpu": {"capability"}, "tf32": set(), "stall": {"batch", "seconds"}}
 _STRINGS = {"capability": ("default", "avx2", "avx512")}  # parameters that are names, not numbers
 _BATCH_KINDS = ("kill", "delay", "stop", "error", "diskfull", "preempt")
 
@@ -123,6 +129,24 @@ def apply_at_start(rank: int) -> str | None:
     return os.environ[CAPABILITY_ENV]
 
 
+class StalledCollate:
+    """A loader's collate function that sleeps ``seconds`` before collating this rank's batch ``after + 1``
+    (1-based), in whichever process collates it: loader worker ``w`` of ``n`` collates the rank's batches
+    ``w, w + n, ...`` (0-based, torch's in-order dispatch), the rank itself with no workers."""
+
+    def __init__(self, collate: Callable | None, after: int, seconds: float):
+        self.collate, self.after, self.seconds = collate or default_collate, after, seconds
+        self.calls = 0  # batches collated by this process (each worker has its own copy)
+
+    def __call__(self, items: Any) -> Any:
+        info = get_worker_info()
+        index = self.calls if info is None else info.id + info.num_workers * self.calls
+        self.calls += 1
+        if index == self.after:
+            time.sleep(self.seconds)
+        return self.collate(items)
+
+
 class FaultPlan:
     """The faults of this rank, applied at the engine's hooks (model built, outputs computed, batch done)."""
 
@@ -155,6 +179,14 @@ class FaultPlan:
             if f.kind == "noise" and torch.is_tensor(outputs):
                 outputs = outputs + torch.randn(outputs.shape, generator=self._rng).to(outputs) * f.params.get("std", 0.5)
         return outputs
+
+    def loader_collate(self, collate: Callable | None) -> Callable | None:
+        """``collate`` (the task's, None for torch's default), wrapped in ``StalledCollate`` by a ``stall``
+        drill of this rank; unchanged without one."""
+        for f in self.faults:
+            if f.kind == "stall":
+                return StalledCollate(collate, int(f.params.get("batch", 1)), f.params.get("seconds", 3600.0))
+        return collate
 
     def unfired(self) -> list[Fault]:
         """kill/delay faults whose batch this rank never reached (its shard had fewer batches)."""

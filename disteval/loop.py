@@ -9,7 +9,7 @@ import multiprocessing
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
@@ -96,6 +96,10 @@ class LoopHook:
         end of it, so a checkpoint holds whole batches)."""
         return contextlib.nullcontext()
 
+    def waiting_for_data(self, since: float | None) -> None:
+        """The loop starts waiting for its next batch from the loader (``since``: ``time.time()``) or got it
+        (None); called twice per batch, so it must be cheap (the status record marks it in memory)."""
+
     def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
         """A batch's outputs, targets and global sample ids (int64 [B]), after they were accumulated (the
         prediction store, ``disteval.store``)."""
@@ -171,7 +175,7 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
     ok = False
     try:
         with torch.inference_mode():
-            for k, batch in enumerate(batches):
+            for k, batch in enumerate(_marked(batches, hooks)):
                 inputs, targets, ids, index = _unpack(batch, progress, evaluator, k)
                 if inputs is None:  # every sample of this streamed batch was skipped (and counted)
                     continue
@@ -208,6 +212,21 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
     for hook in hooks:
         hook.after_loop(progress)
     return progress
+
+
+def _marked(batches: Iterator, hooks: Sequence[LoopHook]) -> Iterator:
+    """``batches``, telling the hooks when the loop waits for the loader (``LoopHook.waiting_for_data``)."""
+    marking = [h for h in hooks if type(h).waiting_for_data is not LoopHook.waiting_for_data]
+    while True:
+        for hook in marking:
+            hook.waiting_for_data(time.time())
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        for hook in marking:  # not on an error: a rank whose loader timed out still waits for data until the
+            hook.waiting_for_data(None)  # error is recorded
+        yield batch
 
 
 def _stop_workers(batches: Any, keep_persistent: bool) -> None:
@@ -326,6 +345,9 @@ class StatusHook(LoopHook):
 
     def after_batch(self, progress: LoopProgress) -> None:
         self.status.update(samples_done=progress.samples, batches_done=progress.batches)
+
+    def waiting_for_data(self, since: float | None) -> None:
+        self.status.mark(t_data_wait=since)
 
     def after_dummy(self, progress: LoopProgress) -> None:
         self.status.update(dummy_steps_done=progress.dummy_steps, dummy_steps_planned=progress.dummy_planned)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from disteval.common.liveness import DRIVER_HEARTBEAT_S
 from disteval.common.netif import node_id
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
 from disteval.errors import DiskFullError
@@ -310,7 +311,8 @@ class StatusWriter:
     something). ``beat()`` (a background thread, ``disteval.watchdog``) rewrites it with a new
     ``t_heartbeat`` only: a process that is stopped or dead stops beating, one that waits in a collective
     keeps beating. Fields follow DESIGN.md's schema plus ``t_heartbeat``, ``heartbeat_s``, ``t_progress``,
-    ``boot_id`` and ``in_collective`` ({op, since} while the rank waits in a blocking collective).
+    ``boot_id``, ``in_collective`` ({op, since} while the rank waits in a blocking collective) and ``t_data_wait``
+    (since when the loop waits for its next batch from the loader; null while it computes).
     """
 
     run_dir: str
@@ -342,6 +344,7 @@ class StatusWriter:
             "batches_done": 0,
             "last_collective": None,
             "in_collective": None,
+            "t_data_wait": None,
             "error": None,
         }
         self._write()
@@ -367,6 +370,12 @@ class StatusWriter:
                 self._write()
             except OSError:
                 pass
+
+    def mark(self, **fields: Any) -> None:
+        """Merge ``fields`` into the record without writing it (the next beat or update writes them): cheap
+        enough for every batch (``t_data_wait`` while the loop waits for its loader)."""
+        with self._lock:
+            self.record.update(fields)
 
     def beat(self) -> None:
         """Write a fresh ``t_heartbeat`` (from the watchdog thread); a write error is left to the main thread."""
@@ -433,7 +442,7 @@ class LaunchRecord:
     the job. While it runs, RUN_DIR/.disteval-reserve holds 1 MiB so that the final record can be written
     even on a disk that filled up during the run."""
 
-    HEARTBEAT_S = 2.0
+    HEARTBEAT_S = DRIVER_HEARTBEAT_S
 
     def __init__(self, run_dir: str | os.PathLike, **fields: Any):
         self.run_dir = Path(run_dir)

@@ -8,7 +8,7 @@ waiting rank keeps doing and a stopped or dead one does not. The same thread
 
 - watches its peers' heartbeats (rank 0 watches every rank, the others watch rank 0, so every stall is seen
   by some live rank with W reads per beat at most): a peer whose heartbeat has not changed for
-  ``timeout_s`` seconds (measured on this rank's own monotonic clock, so clocks of other hosts do not
+  ``dist.heartbeat_timeout_s`` seconds (``disteval.common.liveness``) (measured on this rank's own monotonic clock, so clocks of other hosts do not
   matter) is the culprit of a stall. This rank records a ``PeerFailedError`` that ``blames`` it, with the
   evidence (its phase, the collective it was in, how stale), and exits, so that the launcher stops the run
   within about one timeout instead of the final synchronisation's longer one;
@@ -48,17 +48,12 @@ class StalledPeerError(DistevalError):
         super().__init__(message)
 
 
-def beat_interval(timeout_s: float, status_interval_s: float) -> float:
-    """Seconds between heartbeats: at most the status interval and a fifth of the timeout, at least 0.1."""
-    return max(0.1, min(float(status_interval_s), float(timeout_s) / 5.0))
-
-
 class Watchdog:
     """The thread described in the module docstring. ``status``: a callable returning this rank's current
     StatusWriter (it may be replaced when external launchers agree on a run directory); ``run_dir``: a callable
     returning the current run directory; ``rank``/``world_size``; ``timeout_s`` (seconds without a heartbeat
     that make a peer stalled); ``beat_s`` (seconds between beats); ``parent_pid``: the launcher's pid to watch
-    (None: none). ``on_fatal(exc)`` records the error and ends the process (default: ``status().fail`` then
+    (None: none); ``timeout_key``: the config key that set ``timeout_s``, named in the error. ``on_fatal(exc)`` records the error and ends the process (default: ``status().fail`` then
     ``os._exit(1)``)."""
 
     def __init__(self, status: Callable[[], StatusWriter], run_dir: Callable[[], str], rank: int, world_size: int,
@@ -66,6 +61,7 @@ class Watchdog:
         self.status, self.run_dir, self.rank, self.world_size = status, run_dir, rank, world_size
         self.timeout_s, self.beat_s = timing
         self.parent_pid = parent_pid
+        self.timeout_key = "dist.heartbeat_timeout_s"
         self.on_fatal: Callable[[BaseException], None] = self._die
         # a peer's record: its status.json by default; RankContext.read_peer (the rendezvous store when the run
         # directory is node-local) for launched ranks
@@ -122,7 +118,7 @@ class Watchdog:
                     "t_heartbeat": s.get("t_heartbeat"), "samples_done": s.get("samples_done"),
                     "samples_planned": s.get("samples_planned")}
         return StalledPeerError(r, f"rank {r} stopped making progress: its heartbeat has not changed for {stale:.0f} s "
-                                f"(communication.timeout_s={self.timeout_s:g}) in phase {s.get('phase')!r}{where}, "
+                                f"({self.timeout_key}={self.timeout_s:g}) in phase {s.get('phase')!r}{where}, "
                                 f"after {s.get('samples_done')}/{s.get('samples_planned')} samples; the process was "
                                 f"stopped, froze or died silently (rank {self.rank}, in phase {mine.get('phase')!r}, "
                                 "was waiting for it)", evidence)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disteval.common.liveness import beat_lag
 from disteval.records import INTERRUPT_TYPES, is_network_error, read_status, recorded_progress
 
 
@@ -133,9 +134,8 @@ def is_consequence(error: dict | None) -> bool:
 
 
 def _beat_gap(record: dict) -> float:
-    """Seconds by which a heartbeat must lag to count as stopped: three beats, at least 2 s (a loaded machine
-    delays a beat by a second or so)."""
-    return max(3.0 * float(record.get("heartbeat_s") or 1.0), 2.0)
+    """Seconds by which the record's heartbeat must lag to count as stopped (``disteval.common.liveness.beat_lag``)."""
+    return beat_lag(record.get("heartbeat_s"))
 
 
 def _last_sign(record: dict) -> float:
