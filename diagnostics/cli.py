@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from diagnostics.apply import apply_remedies
+from diagnostics.checks import STATES
 from diagnostics.compare import load_records, run_compare
 from diagnostics.evidence import find_runs, load_run
 from diagnostics.machine import diagnose
@@ -106,6 +107,8 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
         else:
             run_code = diag.exit_code
         entry = as_dict(diag, probes, attempts)
+        if not args.json:  # a person's invocation: the page beside the table (--json leaves the run directory as it was)
+            write_html(path, entry, console)
         if args.apply and diag.verdict is not None:
             entry["apply_stopped"] = stopped
         if attempts:
@@ -114,6 +117,21 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
         out.append(entry)
         code = max(code, run_code)
     return code, out
+
+
+def write_html(path: Path, entry: dict, console: Console) -> Path | None:
+    """RUN_DIR/doctor/report.html of one diagnosis (``disteval.htmlreport.write_doctor_report``), its path printed;
+    a failure to write it is a warning, never the doctor's exit code."""
+    from disteval.htmlreport import write_doctor_report
+
+    try:
+        out = write_doctor_report(path, entry, STATES)
+    except Exception as exc:  # noqa: BLE001 - the page is a view of the diagnosis printed above
+        console.print(f"[yellow]doctor: could not write the HTML report:[/] {escape(f'{type(exc).__name__}: {exc}')}",
+                      soft_wrap=True, highlight=False)
+        return None
+    console.print(f"report: {out}", soft_wrap=True, highlight=False)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFail
                              RunInterrupted, SweepExit)
 from disteval import rundir
 from disteval.records import LaunchRecord
+from disteval.run_report import write_report
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
                              leads_nodes, release_run_dir)
 
@@ -244,6 +245,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     global _composed
     _composed = True
     code = run(cfg)
+    if startup.reporting():
+        write_report(HydraConfig.get().runtime.output_dir)
     driverlog.finished(HydraConfig.get().runtime.output_dir, code)
     if code:
         hc = HydraConfig.get()

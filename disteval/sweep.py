@@ -1,6 +1,6 @@
 """The end of a multirun: one row per job (world size, status, main metric, the job's wall time, the
 evaluation's time, forward-only throughput) from the jobs' results.json / launch.json / status records,
-written as SWEEP_DIR/summary.csv and summary.png (matplotlib) and printed as a table. A metric that differs
+written as SWEEP_DIR/summary.csv, summary.png (matplotlib) and report.html (``disteval.htmlreport``) and printed as a table. A metric that differs
 across world sizes is flagged: for an exact evaluation it must not.
 
 The three times measure different things, and more ranks can raise one while the others get worse:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,7 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
         writer.writeheader()
         writer.writerows(rows)
     _plot(rows, sweep_dir / "summary.png")
+    write_report(sweep_dir, rows)  # its path: the sweep's last console line (disteval.loggers.end_line)
     table = Table(title=f"sweep summary: {sweep_dir}",
                   caption="job wall s: the whole job (start-up, load, evaluation, exit); eval s: rank 0's "
                           "evaluation; forward images/s: forward passes only (no start-up, loading or sync); "
@@ -139,6 +141,19 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
                       style=style)
     (console or Console()).print(table)
     return rows
+
+
+def write_report(sweep_dir: Path, rows: list[dict]) -> Path | None:
+    """SWEEP_DIR/report.html (``disteval.htmlreport.write_sweep_report``: scaling and the identity check) and its
+    path; None with a warning when it cannot be written (the summary and the jobs' results stand)."""
+    try:
+        from disteval.htmlreport import write_sweep_report
+
+        return write_sweep_report(sweep_dir, rows)
+    except Exception as exc:  # noqa: BLE001 - the page is a view of rows already written to summary.csv
+        print(f"disteval: warning: could not write {sweep_dir / 'report.html'}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return None
 
 
 def _short(text: str, limit: int = 160) -> str:

@@ -19,7 +19,9 @@ LAYERS = [
     ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.resume", "support"),
     ("disteval.config", "support"),
     ("disteval.sync", "sync"), ("disteval.records", "records"), ("disteval.report", "report"),
+    ("disteval.htmlreport", "report"),
     ("disteval.loop", "loop"), ("disteval.peers", "loop"),
+    ("disteval.loggers", "app"),  # the trackers: Hydra callbacks in the driver after a job (logger=...)
     ("disteval", "app"),  # engine, bootstrap, cli, preflight, sweep: the top of the library
     ("launchers", "launchers"), ("hydra_plugins", "launchers"), ("diagnostics", "diagnostics"),
 ]

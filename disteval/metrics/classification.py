@@ -31,6 +31,8 @@ import torch
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
 
+CONFUSION_IN_RESULTS = 50  # the most classes whose confusion matrix results.json holds (C x C ints)
+
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """num/den element-wise as float64, 0 where den == 0."""
@@ -204,7 +206,9 @@ class ClassificationMetrics(Metric):
         ``nll``, ``ece``, ``classes_with_samples`` (classes whose support is > 0; the macro averages still run
         over all C classes, as scikit-learn with ``labels=range(C)``), ``per_class_accuracy`` (list of C,
         None for classes without samples),
-        ``per_class_support`` (list of C ints)."""
+        ``per_class_support`` (list of C ints), ``reliability`` ({count, correct, confidence_sum}: lists of M,
+        the ECE's bins), ``confusion`` (C x C ints, rows = true class; only for C <= CONFUSION_IN_RESULTS and a
+        whole matrix)."""
         self.raise_deferred()
         s = {k: v.cpu().numpy() for k, v in self._states.items()}
         n = int(s["count"])
@@ -226,6 +230,12 @@ class ClassificationMetrics(Metric):
         out["classes_with_samples"] = int((support > 0).sum())
         out["per_class_accuracy"] = [None if np.isnan(v) else float(v) for v in per_class]
         out["per_class_support"] = support.tolist()
+        # the reliability diagram's bins (the ECE's own states) and, for a few classes, the confusion matrix:
+        # small, exact, identical at every world size (the HTML run report draws them)
+        out["reliability"] = {"count": s["ece_count"].tolist(), "correct": s["ece_correct"].tolist(),
+                              "confidence_sum": s["ece_conf_sum"].tolist()}
+        if self._class_counts is None and self.num_classes <= CONFUSION_IN_RESULTS:
+            out["confusion"] = s["confusion"].tolist()
         return out
 
     def local_summary(self) -> dict:

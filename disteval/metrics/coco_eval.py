@@ -361,6 +361,19 @@ def summarize(precision: np.ndarray, recall: np.ndarray) -> dict[str, float]:
     return dict(zip(STAT_NAMES, values))
 
 
+def pr_curves(precision: np.ndarray) -> dict:
+    """The precision-recall curves of area all, maxDets 100, averaged over the categories with ground truth (as
+    COCOeval's AP): ``{"recall": [R], "IoU=0.50": [R], "IoU=0.75": [R], "IoU=0.50:0.95": [R]}``, None at a
+    recall point no category reaches. Small (3 x 101 floats): results.json keeps it for the run report."""
+    p = precision[:, :, :, 0, -1]  # [T, R, K]
+    out: dict = {"recall": np.linspace(0.0, 1.0, p.shape[1]).round(2).tolist()}
+    for label, rows in (("IoU=0.50", p[:1]), ("IoU=0.75", p[5:6]), ("IoU=0.50:0.95", p)):
+        valid = rows > -1
+        sums, counts = np.where(valid, rows, 0.0).sum(axis=(0, 2)), valid.sum(axis=(0, 2))
+        out[label] = [float(s / c) if c else None for s, c in zip(sums, counts)]
+    return out
+
+
 def per_category_ap(precision: np.ndarray) -> list[float | None]:
     """AP@[.5:.95] of each category (area all, maxDets 100), None where the category has no ground truth."""
     out = []

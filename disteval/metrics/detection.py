@@ -17,7 +17,7 @@ from disteval.errors import DataError
 from disteval.metrics.base import Metric
 from disteval.metrics.coco_bootstrap import ImageResampler, coco_intervals, image_npig
 from disteval.metrics.coco_eval import (AREA_RNG, RECORD_DTYPE, STAT_NAMES, DetectionShard, accumulate, match_shard,
-                                        per_category_ap, summarize)
+                                        per_category_ap, pr_curves, summarize)
 
 
 class CocoDetectionMetric(Metric):
@@ -117,7 +117,7 @@ class CocoDetectionMetric(Metric):
 
     def compute(self) -> dict:
         """``{"AP", "AP50", ..., "ARl"}`` (the 12 COCOeval statistics, -1 where undefined as pycocotools),
-        ``per_category_ap`` {category name: AP or None}, ``num_images``, ``detections_evaluated``.
+        ``per_category_ap`` {category name: AP or None}, ``pr_curve`` (``coco_eval.pr_curves``), ``num_images``, ``detections_evaluated``.
         Raises DataError naming image ids evaluated more than once."""
         self._flush()
         images = self._states["images"].numpy()
@@ -130,6 +130,7 @@ class CocoDetectionMetric(Metric):
         precision, recall = accumulate(rec, self._states["npig"].numpy(), self.gt.num_categories)
         out: dict = dict(summarize(precision, recall))
         out["per_category_ap"] = dict(zip(self.gt.category_names, per_category_ap(precision)))
+        out["pr_curve"] = pr_curves(precision)
         out["num_images"] = int(len(uniq))
         out["detections_evaluated"] = int(len(rec))  # the first 100 per image and category
         out["iou_type"] = self.iou_type

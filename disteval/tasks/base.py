@@ -132,6 +132,13 @@ class Task(abc.ABC):
         return {"name": self.name or type(self).__name__, "class": f"{type(self).__module__}:{type(self).__qualname__}",
                 "rank_metric": self.rank_metric}
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list[Any]:
+        """The task's figures and tables for the HTML run report (RUN_DIR/report.html), from results.json
+        ``metrics`` alone: ``disteval.common.figures.ReportFigure`` (a matplotlib figure) and ``ReportTable``
+        items, leaving out what the metrics lack (``disteval.tasks.figures``). Default: none."""
+        return []
+
     def console_section(self, metrics: dict) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
         """How the console shows this task's metrics: (rows of (label, formatted value) for the main table,
         extra rich renderables such as per-category tables, notes printed after them)."""

@@ -101,6 +101,13 @@ class ClassificationTask(Task):
     def describe(self) -> dict:
         return {"num_classes": self.num_classes}
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list:
+        """Confusion matrix, per-class accuracy, reliability diagram (``disteval.tasks.figures``)."""
+        from disteval.tasks.figures import classification_figures
+
+        return classification_figures(metrics)
+
     def console_section(self, metrics: dict):
         rows = [(f"top-{k[3:]} accuracy", fmt(v)) for k, v in metrics.items() if k.startswith("top") and k[3:].isdigit()]
         rows += [(label, fmt(metrics[k])) for k, label in _LABELS.items() if k in metrics]

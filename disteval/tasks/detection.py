@@ -79,6 +79,13 @@ class _CocoTask(Task):
     def describe(self) -> dict:
         return {"num_classes": self.gt.num_categories}
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list:
+        """AP by IoU and size, precision-recall curves, per-category AP (``disteval.tasks.figures``)."""
+        from disteval.tasks.figures import coco_figures
+
+        return coco_figures(metrics)
+
     def console_section(self, metrics: dict):
         from rich.table import Table
 

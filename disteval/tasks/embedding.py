@@ -278,6 +278,13 @@ class EmbeddingTask(Task):
         """Zero-shot top-1, the first kNN top-1 (``knn_<vote>_k<k>_top1``) or the first recall@k."""
         return next((k for k in metrics if k.endswith("top1") or "recall" in k), None) or super().main_metric(metrics)
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list:
+        """Recall@k and kNN accuracy against k (``disteval.tasks.figures``)."""
+        from disteval.tasks.figures import embedding_figures
+
+        return embedding_figures(metrics)
+
     def console_section(self, metrics: dict):
         rows = [(k.replace("_", " "), fmt(v)) for k, v in metrics.items() if isinstance(v, (int, float)) or v is None]
         notes = [] if self.protocol == "zero_shot" else [

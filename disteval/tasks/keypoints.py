@@ -56,6 +56,13 @@ class _KeypointTask(Task):
     def describe(self) -> dict:
         return {"num_classes": self.gt.num_categories, "keypoints_per_instance": self.gt.num_parts}
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list:
+        """OKS AP by threshold and object size (``disteval.tasks.figures``)."""
+        from disteval.tasks.figures import coco_figures
+
+        return coco_figures(metrics)
+
     def console_section(self, metrics: dict):
         rows = [(label, fmt(metrics[k])) for k, label in LABELS.items() if k in metrics]
         rows.append(("images", fmt(metrics.get("num_images"))))

@@ -66,6 +66,13 @@ class _SegmentationTask(Task):
     def describe(self) -> dict:
         return {"num_classes": self.num_classes, "ignore_index": self.cfg.eval.ignore_index}
 
+    @classmethod
+    def report_figures(cls, metrics: dict) -> list:
+        """IoU per class (the mIoU's terms) and its table (``disteval.tasks.figures``)."""
+        from disteval.tasks.figures import segmentation_figures
+
+        return segmentation_figures(metrics)
+
     def console_section(self, metrics: dict):
         from rich.table import Table
 

@@ -1,0 +1,129 @@
+"""``logger=mlflow`` (``pip install disteval[mlflow]``: the mlflow-skinny client): one MLflow run per job with
+params (the resolved config as dotted keys), metrics (results.json's scalars), tags (mode, world_size, task,
+fingerprint, ...) and artifacts (results.json, per_class.json and per_class.csv, RUN_DIR/report.html when it
+exists). A sweep is a parent run (tagged ``disteval.sweep_dir``, found again by that tag from every job, whichever
+process runs it) with one child run per job; at the sweep's end the parent gets the forward throughput, the
+evaluation time and the main metric per world size as step series (step = world size) and summary.csv/png.
+
+The tracking URI is ``hydra.callbacks.mlflow.tracking_uri``, else $MLFLOW_TRACKING_URI, else a local file store
+``file:<run dir>/mlruns`` (``<sweep dir>/mlruns`` for a sweep) that works offline; MLflow 3 refuses file stores
+unless MLFLOW_ALLOW_FILE_STORE=true, which is set for this process when the URI is a file store."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from disteval.loggers.base import JobView, TrackerCallback, per_class, per_class_csv, scalar_metrics
+from disteval.sweep import MAIN_METRICS  # the first one present is a job's main metric
+
+MAX_PARAM = 6000  # characters of a param value MLflow stores (the longest are cut)
+
+
+class MlflowLogger(TrackerCallback):
+    """Hydra callback (conf/logger/mlflow.yaml). ``tracking_uri``: see the module docstring; ``experiment``: the
+    MLflow experiment's name; ``http_retries`` / ``http_timeout_s``: how long a tracking server that does not
+    answer is tried (MLFLOW_HTTP_REQUEST_MAX_RETRIES / _TIMEOUT, unless already set in the environment)."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str = "disteval", http_retries: int = 2,
+                 http_timeout_s: float = 20) -> None:
+        super().__init__()
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        self.http_retries, self.http_timeout_s = int(http_retries), http_timeout_s
+
+    def client(self, base_dir: Path):
+        """(MlflowClient, tracking URI, experiment id) for a job whose default store is under ``base_dir``."""
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.http_retries))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(self.http_timeout_s)))
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"file:{(base_dir / 'mlruns').resolve()}"
+        if urlparse(uri).scheme in ("", "file"):
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return client, uri, exp.experiment_id
+        try:
+            return client, uri, client.create_experiment(self.experiment)
+        except Exception:  # noqa: BLE001 - created meanwhile by another job of the sweep
+            return client, uri, client.get_experiment_by_name(self.experiment).experiment_id
+
+    def log_job(self, job: JobView) -> str | None:
+        """One run (a child of the sweep's parent run in a sweep): params, metrics, tags, artifacts."""
+        from mlflow.entities import Metric, Param
+
+        client, uri, exp = self.client(job.base_dir)
+        tags = {"mlflow.runName": job.name, **job.tags()}
+        if job.sweep_dir is not None:
+            tags["mlflow.parentRunId"] = self._parent(client, exp, job.sweep_dir)
+        run = client.create_run(exp, tags=tags)
+        run_id = run.info.run_id
+        try:
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, 0) for k, v in (scalar_metrics(job.results) if job.ok else {}).items()]
+            params = [Param(k, v[:MAX_PARAM]) for k, v in job.params.items()]
+            client.log_batch(run_id, metrics=metrics, params=params)
+            if job.ok:
+                self._artifacts(client, run_id, job)
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")
+            raise
+        client.set_terminated(run_id, "FINISHED" if job.ok else "FAILED")
+        return location(uri, exp, run_id, run.info.artifact_uri)
+
+    @staticmethod
+    def _artifacts(client, run_id: str, job: JobView) -> None:
+        client.log_artifact(run_id, str(job.run_dir / "results.json"))
+        if (job.run_dir / "report.html").is_file():
+            client.log_artifact(run_id, str(job.run_dir / "report.html"))
+        table = per_class(job.results)
+        if table:
+            client.log_dict(run_id, table, "per_class.json")
+            client.log_text(run_id, per_class_csv(table), "per_class.csv")
+
+    @staticmethod
+    def _parent(client, exp: str, sweep_dir: Path) -> str:
+        """The run id of the sweep's parent run (tag ``disteval.sweep_dir``), created by the first job to ask."""
+        key = str(sweep_dir).replace("'", "\\'")
+        found = client.search_runs([exp], filter_string=f"tags.`disteval.sweep_dir` = '{key}' and "
+                                                        "tags.`disteval.kind` = 'sweep'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = client.create_run(exp, tags={"mlflow.runName": f"sweep {sweep_dir.name}", "disteval.kind": "sweep",
+                                           "disteval.sweep_dir": str(sweep_dir)})
+        return run.info.run_id
+
+    def log_sweep(self, sweep_dir: Path, jobs: list[JobView]) -> str | None:
+        """The parent run's series (step = world size), summary.csv/png as artifacts, its status."""
+        from mlflow.entities import Metric
+
+        client, uri, exp = self.client(sweep_dir)
+        parent = self._parent(client, exp, sweep_dir)
+        now, metrics = int(time.time() * 1000), []
+        for job in (j for j in jobs if j.ok):
+            scalars = scalar_metrics(job.results)
+            main = next((k for k in MAIN_METRICS if k in scalars), None)
+            for key in ("throughput.images_per_s", "timings.evaluation_s", main):
+                if key is not None and key in scalars:
+                    metrics.append(Metric(f"sweep.{key}", scalars[key], now, job.world_size))
+        client.log_batch(parent, metrics=metrics)
+        for name in ("summary.csv", "summary.png"):
+            if (sweep_dir / name).is_file():
+                client.log_artifact(parent, str(sweep_dir / name))
+        client.log_text(parent, json.dumps([{"job": j.num, "world_size": j.world_size, "ok": j.ok} for j in jobs]),
+                        "jobs.json")
+        client.set_terminated(parent, "FINISHED" if all(j.ok for j in jobs) else "FAILED")
+        run = client.get_run(parent)
+        return location(uri, exp, parent, run.info.artifact_uri)
+
+
+def location(uri: str, exp: str, run_id: str, artifact_uri: str) -> str:
+    """Where a run is: its folder in a local file store, else the tracking server's UI address of the run."""
+    if urlparse(artifact_uri).scheme == "file" and urlparse(uri).scheme in ("", "file"):
+        return str(Path(urlparse(artifact_uri).path).parent)
+    return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
