@@ -72,6 +72,15 @@ def cli(tmp_path):
     return _run
 
 
+@pytest.fixture(scope="session")
+def recorded_run(tmp_path_factory):
+    """Call as ``recorded_run(name)``: the ``recorded_runs.Recorded`` of the scenario ``name``, a real run made
+    once per session on first use and read by several tests (copy it with ``recorded_runs.copy_run`` first)."""
+    from recorded_runs import RecordedRuns
+
+    return RecordedRuns(tmp_path_factory.mktemp("recorded"))
+
+
 # the one skip CI tolerates: a machine where even root may not mount a filesystem (an unprivileged container);
 # the same code path is then covered by an injected failure (tests/test_hardening.py)
 PRIVILEGE_SKIP = "no permission to mount"

@@ -294,14 +294,11 @@ def test_stalled_rank_is_named_within_one_timeout(tmp_path):
     _assert_no_rank_left(run_dir)
 
 
-def test_master_port_in_use_fails_before_ranks(cli):
-    import socket
-
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        proc, run_dir = cli(f"dist.master_port={port}", timeout=120)
+def test_master_port_in_use_fails_before_ranks(recorded_run):
+    """Another socket holds ``dist.master_port`` (recorded_runs.port_in_use, a run shared with
+    test_doctor.py::test_port_in_use)."""
+    proc = recorded_run("port-in-use")
+    port, run_dir = proc.info["port"], proc.run_dir
     assert proc.returncode == 2
     assert f"dist.master_port: port {port} on 127.0.0.1 is already in use" in " ".join(proc.stderr.split())
     assert not (run_dir / "ranks").exists()

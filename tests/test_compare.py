@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import load_results, run_disteval
+from recorded_runs import diagnostics_cli
 from diagnostics.compare import compare_runs, diff_metrics
 
 RUNS = {  # name: (overrides, env)
@@ -43,10 +42,9 @@ def runs(tmp_path_factory):
 
 
 def compare(a: Path, b: Path, *flags: str) -> subprocess.CompletedProcess:
-    """``python -m diagnostics compare A B [flags]`` as a user would run it."""
-    return subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(a), str(b), *flags],
-                          capture_output=True, text=True, timeout=120, cwd=a.parent,
-                          env={**os.environ, "COLUMNS": "160"})
+    """``python -m diagnostics compare A B [flags]`` as a user would run it, in this process (it only reads
+    records: ``recorded_runs.diagnostics_cli``)."""
+    return diagnostics_cli(["compare", str(a), str(b), *flags], cwd=a.parent, env={"COLUMNS": "160"})
 
 
 def compare_json(a: Path, b: Path) -> tuple[int, dict]:
@@ -116,8 +114,7 @@ def test_noise_on_rank1_is_found_in_the_forward_at_its_first_sample(runs):
     assert fwd["count"] == res["per_rank"][1]["samples"] and result["reduction"] is None
     assert settings(result)["faults"]["a"] == "noise@1:std=0.5"
     # the doctor, given the clean run as its reference, fails CONVERGENCE/reference and names rank 1
-    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(noisy), "--reference", str(w1), "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=noisy.parent)
+    proc = diagnostics_cli(["doctor", str(noisy), "--reference", str(w1), "--json"], cwd=noisy.parent)
     report = json.loads(proc.stdout)["runs"][0]
     assert proc.returncode == 1 and report["verdict"]["state"] == "CONVERGENCE"
     assert report["verdict"]["check"] == "reference" and report["culprit_rank"] == 1
@@ -128,8 +125,7 @@ def test_noise_on_rank1_is_found_in_the_forward_at_its_first_sample(runs):
 def test_doctor_reference_passes_on_identical_runs_and_is_skipped_without(runs):
     w1, w2 = runs("w1"), runs("w2")
     for flags, status in ((["--reference", str(w1)], "pass"), ([], "skipped")):
-        proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(w2), "--json", *flags],
-                              capture_output=True, text=True, timeout=300, cwd=w2.parent)
+        proc = diagnostics_cli(["doctor", str(w2), "--json", *flags], cwd=w2.parent)
         checks = {c["check"]: c for c in json.loads(proc.stdout)["runs"][0]["checks"]}
         assert proc.returncode == 0 and checks["reference"]["status"] == status, checks["reference"]
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from conftest import REPO, load_results, run_disteval
+from recorded_runs import copy_run, diagnostics_cli
 from disteval.common.ranges import batch_aligned_bounds
 from disteval.models.reference_cnn import DigitsCNN
 
@@ -29,10 +28,9 @@ QUICK = ("eval.progress=false", "data.batch_size=16")
 
 
 def doctor(run_dir: Path, *flags: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
-    """Run ``python -m diagnostics doctor RUN_DIR --json`` as a user would; returns (exit code, the JSON)."""
-    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json", *flags],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          cwd=run_dir.parent)
+    """Run ``python -m diagnostics doctor RUN_DIR --json`` as a user would, from the run's parent directory;
+    returns (exit code, the JSON). Reading records only, it runs in this process (``diagnostics_cli``)."""
+    proc = diagnostics_cli(["doctor", str(run_dir), "--json", *flags], cwd=run_dir.parent, env=env, timeout=timeout)
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
     assert report["schema_version"] == 2
@@ -173,17 +171,12 @@ def test_slow_rank_zero_is_named_not_the_peers_that_waited(tmp_path, external):
     assert (code, state, culprit, overrides) == (1, "COMM/timeout", 0, ["communication.timeout_s=60"])
 
 
-def test_interrupted_run_blames_no_rank(tmp_path):
-    run = tmp_path / "interrupted"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DISTEVAL_FAULTS="delay@1:batch=1,seconds=60")
-    proc = subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={run}", "dist.world_size=2", *QUICK],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not all((run / "ranks" / f"rank{r}" / "status.json").exists() for r in (0, 1)):
-        time.sleep(0.5)
-    time.sleep(3)
-    proc.send_signal(signal.SIGINT)  # Ctrl-C on the driver
-    assert proc.wait(timeout=120) == 130
+def test_interrupted_run_blames_no_rank(tmp_path, recorded_run):
+    """Ctrl-C (SIGINT) on the driver while rank 1 is delayed (recorded_runs.signalled_driver, a run shared with
+    test_hardening.py::test_signals_exit_as_shells_expect)."""
+    interrupted = recorded_run("driver-SIGINT")
+    assert interrupted.returncode == 130
+    run = copy_run(interrupted.run_dir, tmp_path / "interrupted")
     code, report = doctor(run)
     state, culprit, _, _ = verdict(report)
     assert (code, state, culprit) == (1, "INIT/launch", None) and "interrupted" in report["runs"][0]["verdict"]["finding"]
@@ -225,14 +218,12 @@ def test_exclusion_is_decided_once_for_all_trials(tmp_path):
     assert res["metrics"]["top1"] == pytest.approx(float((logits[keep].argmax(1) == labels[keep]).mean()), abs=1e-12)
 
 
-def test_port_in_use(tmp_path):
-    run = tmp_path / "portinuse"
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        proc = run_disteval(*QUICK, "dist.world_size=2", f"dist.master_port={port}", run_dir=run)
+def test_port_in_use(tmp_path, recorded_run):
+    """``dist.master_port`` held by another socket (recorded_runs.port_in_use, a run shared with
+    test_cli.py::test_master_port_in_use_fails_before_ranks)."""
+    proc = recorded_run("port-in-use")
     assert proc.returncode == 2 and "already in use" in proc.stderr
+    run = copy_run(proc.run_dir, tmp_path / "portinuse")
     code, report = doctor(run)
     state, culprit, overrides, _ = verdict(report)
     assert (code, state, culprit, overrides) == (1, "INIT/launch", None, ["dist.master_port=0"])

@@ -27,6 +27,7 @@ import torchvision
 
 from conftest import REPO, run_disteval
 from disteval.tasks.classification import ClassificationTask
+from recorded_runs import copy_run
 from test_doctor import QUICK, doctor, launch_external
 
 pytestmark = pytest.mark.slow
@@ -241,48 +242,51 @@ def _stop_group(proc: subprocess.Popen, run: Path, world_size: int) -> None:
             pass
 
 
-def test_killed_driver_is_never_healthy(tmp_path):
-    """SIGKILL the driver mid-run: launch.json stays 'running'. The doctor must say the driver died, citing
-    its pid and host, never 'healthy' or 'still running'."""
-    run = tmp_path / "driverkill"
+@pytest.fixture(scope="module")
+def killed_driver(tmp_path_factory) -> dict:
+    """One driver SIGKILLed mid-run, read by the two tests below (each diagnoses its own copy): two ranks, rank 1
+    delayed in its first batch; the doctor's report while the run was alive; then the kill, and both ranks'
+    records left 'failed'. Returns the run directory, the driver's pid and that report."""
+    run = tmp_path_factory.mktemp("killed_driver") / "driverkill"
     proc = _start(run, ["dist.world_size=2", *QUICK], "delay@1:batch=1,seconds=60")
     try:
         _wait_for(lambda: all(_status(run, r).get("phase") in ("forward", "sync") for r in range(2)))
-        code, report = doctor(run)  # alive: a warning, not a verdict
-        launch_check = next(c for c in report["runs"][0]["checks"] if c["check"] == "launch")
-        assert launch_check["status"] == "warn" and "alive" in launch_check["finding"]
+        _, alive = doctor(run)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         _wait_for(lambda: all(_status(run, r).get("phase") == "failed" for r in range(2)), timeout=60)
     finally:
         _stop_group(proc, run, 2)
+    return {"run": run, "pid": proc.pid, "alive_report": alive}
+
+
+def test_killed_driver_is_never_healthy(tmp_path, killed_driver):
+    """SIGKILL the driver mid-run: launch.json stays 'running'. The doctor must say the driver died, citing
+    its pid and host, never 'healthy' or 'still running'."""
+    report = killed_driver["alive_report"]  # alive: a warning, not a verdict
+    launch_check = next(c for c in report["runs"][0]["checks"] if c["check"] == "launch")
+    assert launch_check["status"] == "warn" and "alive" in launch_check["finding"]
+    run, pid = copy_run(killed_driver["run"], tmp_path / "driverkill"), killed_driver["pid"]
     launch = json.loads((run / "launch.json").read_text())
-    assert launch["outcome"] == "running" and launch["pid"] == proc.pid
+    assert launch["outcome"] == "running" and launch["pid"] == pid
     with pytest.raises(ProcessLookupError):
-        os.kill(proc.pid, 0)
+        os.kill(pid, 0)
     code, report = doctor(run)
     v, remedy = entry(report)
     assert (code, v["state"], v["check"], v["status"], v["culprit_rank"]) == (1, "INIT", "launch", "fail", None)
-    assert "died" in v["finding"] and str(proc.pid) in v["finding"]
-    assert {"source": "launch.json", "field": "pid", "line": None, "value": str(proc.pid)} in v["evidence"]
+    assert "died" in v["finding"] and str(pid) in v["finding"]
+    assert {"source": "launch.json", "field": "pid", "line": None, "value": str(pid)} in v["evidence"]
     assert any(e["source"] == "launch.json" and e["field"] == "t_heartbeat" for e in v["evidence"])
     assert remedy["changes_cause"] is False
     assert_apply_refuses(run, "cannot change the cause")
 
 
-def test_killed_driver_from_records_without_driver_died_errors(tmp_path):
-    """The same kill, judged from the pid and the heartbeats alone (records edited to what a runtime without
-    DriverDiedError leaves: ranks stopped silently; timestamps aged by 60 s instead of waiting 10 s for the
-    heartbeats to go stale). Fresh heartbeats, or another host, leave the evidence undecided: 'unknown'."""
-    run = tmp_path / "driverkill_old"
-    proc = _start(run, ["dist.world_size=2", *QUICK], "delay@1:batch=1,seconds=60")
-    try:
-        _wait_for(lambda: all(_status(run, r).get("phase") in ("forward", "sync") for r in range(2)))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        _wait_for(lambda: all(_status(run, r).get("phase") == "failed" for r in range(2)), timeout=60)
-    finally:
-        _stop_group(proc, run, 2)
+def test_killed_driver_from_records_without_driver_died_errors(tmp_path, killed_driver):
+    """The same kill (the same run, copied), judged from the pid and the heartbeats alone (records edited to
+    what a runtime without DriverDiedError leaves: ranks stopped silently; timestamps aged by 60 s instead of
+    waiting 10 s for the heartbeats to go stale). Fresh heartbeats, or another host, leave the evidence
+    undecided: 'unknown'."""
+    run = copy_run(killed_driver["run"], tmp_path / "driverkill_old")
 
     def age(record, by=60.0):
         for key in ("t_heartbeat", "t_update", "t_progress", "t_start", "joined"):

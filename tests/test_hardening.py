@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import load_results, run_disteval
+from recorded_runs import diagnostics_cli
 from disteval.records import pid_alive
 
 pytestmark = pytest.mark.slow
@@ -23,8 +24,9 @@ TIMEOUT_S = 5
 
 
 def doctor_json(run_dir: Path) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], capture_output=True,
-                          text=True, timeout=120, cwd=run_dir.parent)
+    """``python -m diagnostics doctor RUN_DIR --json`` from the run's parent directory, in this process (it only
+    reads records: ``recorded_runs.diagnostics_cli``); (exit code, the run's JSON)."""
+    proc = diagnostics_cli(["doctor", str(run_dir), "--json"], cwd=run_dir.parent)
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, json.loads(proc.stdout)["runs"][0]
 
@@ -148,13 +150,12 @@ def test_a_stale_lock_of_a_killed_driver_is_taken_over(tmp_path):
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_signals_exit_as_shells_expect(tmp_path, sig, code):
-    run = tmp_path / "run"
-    proc = start(run, "dist.world_size=2", env={"DISTEVAL_FAULTS": "delay@*:batch=1,seconds=60"})
-    wait_for_phase(run, range(2), "forward")
-    proc.send_signal(sig)
-    proc.communicate(timeout=60)
-    assert proc.returncode == code
+def test_signals_exit_as_shells_expect(recorded_run, sig, code):
+    """The signal reaches the driver mid-run, rank 1 delayed in its first batch and rank 0 waiting for it
+    (recorded_runs.signalled_driver; the SIGINT run is shared with test_doctor.py's interrupted run)."""
+    signalled = recorded_run(f"driver-{sig.name}")
+    run = signalled.run_dir  # only read
+    assert signalled.returncode == code, signalled.stderr[-2000:]
     launch = json.loads((run / "launch.json").read_text())
     assert launch["outcome"] == "interrupted" and launch["exit_code"] == code
     assert not (run / "results.json").exists()
