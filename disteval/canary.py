@@ -83,12 +83,6 @@ def drift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
             "order_changes": order}
 
 
-def policy(cfg: Any) -> str:
-    """``dist.heterogeneous`` of a job config as a string (warn | refuse | pin; an enum or a plain value)."""
-    value = cfg.dist.heterogeneous
-    return str(getattr(value, "value", value))
-
-
 def pin_cpu_kernels(agree: Callable[[str, str], list[str]]) -> dict:
     """``dist.heterogeneous=pin`` on the CPU, first thing in a rank (before its first kernel): every rank's native
     kernel set (``agree(name, value)``: every rank's value, e.g. ``StoreBoard.agree``), then this process pinned

@@ -31,7 +31,7 @@ from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFail
                              RunInterrupted, SweepExit)
 from disteval import rundir
 from disteval.records import LaunchRecord
-from disteval.run_report import write_report
+from disteval.run_report import present_results, write_report
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
                              leads_nodes, release_run_dir)
 
@@ -134,8 +134,8 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     startup.job_start()  # this job's start, passed to its ranks (results.json timings.process_wall_s)
     driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
-    from disteval.engine import run_rank  # noqa: F401 - imported before the launch step (start-up timing)
-    from disteval.canary import policy as heterogeneous_policy
+    from launchers.local import start_ranks  # imports the ranks' engine before the launch step (start-up timing)
+    from disteval.config import heterogeneous_policy
     from disteval.faults import apply_at_start
     from disteval.preflight import preflight, preflight_without_kernels
 
@@ -169,7 +169,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
                                        1 if external else int(cfg.dist.get("nnodes") or 1)))
     try:
-        _start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
+        start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc
@@ -183,6 +183,8 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     except DistevalError as exc:
         _err.print(f"[bold red]disteval: run failed[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1, exc
+    if (not external or RankEnv.from_env().rank == 0) and os.path.isfile(os.path.join(run_dir, "results.json")):
+        present_results(run_dir, job)  # the ranks wrote their records; the driver presents them
     return 0, None
 
 
@@ -196,45 +198,6 @@ def _agent_stuck(exc: BaseException, run_dir: str, record) -> None:
     driverlog.finished(run_dir, 1)
     logging.shutdown()
     os._exit(1)
-
-
-def _start_ranks(cfg: DictConfig, job, container: dict, run_dir: str, choice, on_agent_stuck=None) -> None:
-    """Run the job's ranks and wait: as this rank of an external launcher (``choice`` None: the ranks already
-    exist with their allocator), in this process (world size 1, unless the allocator ``choice`` needs a process
-    started with another environment), or as local rank processes (``on_agent_stuck``: see
-    ``launchers.local.Rendezvous``)."""
-    external = choice is None
-    from disteval.comm import RankEnv
-    from disteval.engine import run_rank
-    from launchers.local import launch_local, run_single
-
-    if external:
-        env = RankEnv.from_env()
-        if env.world_size != cfg.dist.world_size and env.rank == 0:
-            log.warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
-                        env.world_size, cfg.dist.world_size)
-        try:
-            run_rank(job, run_dir, env, agree_run_dir=True)
-        except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
-            raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
-    elif cfg.dist.world_size == 1 and (not choice.changes_env or choice.requested == "auto"):
-        # in this process, with its own allocator: `auto` does not start a second process at W=1 (measured:
-        # 2.5-4.7 s more start-up, a second import of torch); an allocator asked for by name does
-        try:
-            run_single(run_rank, (job, run_dir, None))
-        except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
-            if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
-                exc.rank = 0
-            raise
-    elif int(cfg.dist.get("nnodes") or 1) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
-        from launchers.local import Rendezvous
-
-        launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
-                     rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck))
-    else:
-        alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
-        launch_local(container, run_dir, cfg.dist.world_size, "127.0.0.1" if alone else cfg.dist.master_addr,
-                     0 if alone else cfg.dist.master_port, allocator=choice)
 
 
 _composed = False

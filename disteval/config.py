@@ -657,3 +657,10 @@ def conf_dir() -> str:
     if importlib.util.find_spec("disteval.conf") is not None:
         return "pkg://disteval.conf"
     raise FileNotFoundError(f"disteval's conf/ was found neither at {checkout} nor as package disteval.conf")
+
+
+def heterogeneous_policy(cfg: Any) -> str:
+    """``dist.heterogeneous`` of a job config as a string (warn | refuse | pin; an enum or a plain value)."""
+    value = cfg.dist.heterogeneous
+    return str(getattr(value, "value", value))
+

@@ -32,7 +32,8 @@ from disteval.common.liveness import beat_interval, heartbeat_timeout, heartbeat
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError, NumericDriftError
-from disteval.canary import Canary, describe, pin_cpu_kernels, policy, probe_inputs, settle
+from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
+from disteval.config import heterogeneous_policy as policy
 from disteval.faults import FaultPlan, apply_at_start
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
 from disteval.metrics import check_coverage, raise_if_incomplete
@@ -444,8 +445,7 @@ class RankRun:
             results["predictions"] = self._store_record([r["predictions"] for r in last["rows"]])
         if self.members:
             return self._finish_members(results)
-        write_results(ctx.run_dir, results)
-        report.present(results, self.task.console_section)
+        write_results(ctx.run_dir, results)  # the driver presents it (disteval.run_report.present_results)
         return results
 
     def _store_record(self, entries: list[dict]) -> dict:
@@ -471,7 +471,6 @@ class RankRun:
         blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
         results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
         write_results(self.ctx.run_dir, results)
-        report.present(results, self.task.console_section)
         return results
 
     def _decode_errors(self, rows: list[dict]) -> dict:

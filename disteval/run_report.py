@@ -42,3 +42,16 @@ def write_report(run_dir: str | Path) -> Path | None:
         print(f"disteval: warning: could not write {run_dir / 'report.html'}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return None
+
+
+def present_results(run_dir: str | Path, job) -> None:
+    """The console of a finished run, printed by its driver on every launch path (local ranks, world size 1 in
+    the driver's process, rank 0 of an external torchrun, a SLURM job's submitter): RUN_DIR/results.json through
+    ``disteval.report.present`` with the section of the job's task (``Task.console_section``). ``job``: the
+    job's composed config. Raises OSError / ValueError when results.json cannot be read."""
+    from disteval.report import present
+    from disteval.tasks import resolve_task
+
+    results = json.loads((Path(run_dir) / "results.json").read_text())
+    present(results, resolve_task(job)(job).console_section)
+

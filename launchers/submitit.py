@@ -274,20 +274,16 @@ def _quote(value: str) -> str:
 
 
 def _report_run(ret: JobReturn, run_dir: Path, config) -> int:
-    """Print the outcome of ``submit_run``'s job as a local run prints its own (``disteval.report.present`` from
+    """Print the outcome of ``submit_run``'s job as a local run prints its own (``disteval.run_report.present_results`` from
     results.json with the task's section, built from the job's ``config``; or the failure with where its records
     are) and return the exit code."""
-    import json
-
     from rich.console import Console
     from rich.markup import escape
 
-    from disteval.report import present
-    from disteval.tasks import resolve_task
+    from disteval.run_report import present_results
 
     if ret.status == JobStatus.COMPLETED:
-        job = _job_config(config)
-        present(json.loads((run_dir / "results.json").read_text()), resolve_task(job)(job).console_section)
+        present_results(run_dir, _job_config(config))
         return 0
     err = Console(stderr=True)
     exc = ret._return_value

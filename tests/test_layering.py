@@ -21,8 +21,17 @@ LAYERS = [
     ("disteval.sync", "sync"), ("disteval.records", "records"), ("disteval.report", "report"),
     ("disteval.htmlreport", "report"),
     ("disteval.loop", "loop"), ("disteval.peers", "loop"),
-    ("disteval.loggers", "app"),  # the trackers: Hydra callbacks in the driver after a job (logger=...)
-    ("disteval", "app"),  # engine, bootstrap, cli, preflight, sweep: the top of the library
+    # a rank's process: the process group, the shard's evaluation, its synchronisation and records
+    ("disteval.engine", "rank"), ("disteval.bootstrap", "rank"), ("disteval.canary", "rank"),
+    ("disteval.model_set", "rank"), ("disteval.parallel", "rank"), ("disteval.predictions", "rank"),
+    ("disteval.watchdog", "rank"),
+    # the driver's pieces that its launchers share: checks before any rank starts, the run directory, the
+    # end-of-run console and report from the records, a sweep's summary
+    ("disteval.preflight", "job"), ("disteval.rundir", "job"), ("disteval.run_report", "job"),
+    ("disteval.driverlog", "job"), ("disteval.sweep", "job"),
+    # the driver: composes, checks, hands over to a launcher (which runs the ranks, inline at world size 1 too)
+    # and presents the records; the trackers are its Hydra callbacks (logger=...)
+    ("disteval", "driver"),  # cli, __main__, rescore, loggers
     ("launchers", "launchers"), ("hydra_plugins", "launchers"), ("diagnostics", "diagnostics"),
 ]
 BELOW = {  # what each layer may import (besides itself)
@@ -34,12 +43,15 @@ BELOW = {  # what each layer may import (besides itself)
     "records": {"leaf"},
     "report": {"leaf", "records"},
     "loop": {"leaf", "data", "metrics", "sync", "records", "support", "comm", "tasks"},
-    "app": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report", "loop",
-            "launchers"},
+    "rank": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report", "loop"},
+    "job": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report"},
     "launchers": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report",
-                  "loop", "app"},
+                  "loop", "job", "rank"},
+    # driver -> launchers -> rank, never back: the driver imports no module of a rank's own
+    "driver": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "records", "report", "job",
+               "launchers"},
     "diagnostics": {"leaf", "metrics", "data", "comm", "models", "tasks", "support", "sync", "records", "report",
-                    "loop", "app", "launchers"},
+                    "loop", "rank", "job", "launchers"},
 }
 NO_TORCH_DISTRIBUTED = {"leaf", "metrics", "data", "models", "tasks", "records", "report", "support"}
 
