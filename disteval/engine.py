@@ -30,7 +30,6 @@ from disteval.common import allocator, startup
 from disteval.common.fingerprint import numeric_classes, rank_fingerprint
 from disteval.common.liveness import beat_interval, heartbeat_timeout, heartbeat_timeout_key
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
-from disteval.data.streaming import StreamSource
 from disteval.errors import ConfigError, CoverageError, NumericDriftError
 from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
 from disteval.config import heterogeneous_policy as policy
@@ -69,6 +68,7 @@ class RankRun:
         self.task = resolve_task(cfg)(cfg)
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
+        self.streamed = self.task.streamed  # tar shards planned per rank (Task.streamed): no mesh, positions resumed
         # dist.parallel: a device mesh
         self.mesh = MeshRun(ctx) if dims_from_config(cfg, ctx.world_size) is not None else None
         self.members = model_set.members_of(cfg)  # model.checkpoints: several networks on the same batches
@@ -88,7 +88,7 @@ class RankRun:
         self.dp_rank, self.dp_size = (self.mesh.dp_rank, self.mesh.dp_size) if self.mesh else (ctx.rank, ctx.world_size)
         self.shard = (batch_aligned_bounds(n, b, self.dp_size, self.dp_rank) if self.bitwise
                       else shard_bounds(n, self.dp_size, self.dp_rank))
-        if self.mesh and isinstance(self.dataset, StreamSource):
+        if self.mesh and self.streamed:
             raise ConfigError("dist.parallel", "a device mesh needs a map-style dataset, not a streamed one")
         self.dummy_steps = self.mesh.lockstep(n, b, self.bitwise) if self.mesh else 0
         if self.mesh:
@@ -99,7 +99,7 @@ class RankRun:
         self.ckpt_key = {"config": config_digest(cfg), "world_size": ctx.world_size, "rank": ctx.rank,
                          "shard": list(self.shard), "job": os.environ.get("SLURM_JOB_ID")}
         # streamed data in fast mode with several loader workers: their positions are not one count per rank
-        fast_multi_worker_stream = (isinstance(self.dataset, StreamSource) and not self.bitwise
+        fast_multi_worker_stream = (self.streamed and not self.bitwise
                                     and int(cfg.data.num_workers) > 1)
         # (not under a mesh: a resumed rank would skip batches its FSDP/TP peers still run)
         self.resumable = (int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
@@ -152,7 +152,7 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         samples = int(cfg.data.batch_size) if cfg.eval.compile else int(cfg.dist.canary_samples)
         skip = ("dist.canary_samples=0" if samples == 0 else "no model (replayed predictions)" if self.model is None
-                else "streamed data (no sample every rank can read)" if isinstance(self.dataset, StreamSource)
+                else "streamed data (no sample every rank can read)" if self.streamed
                 else "a device mesh (its ranks compute one forward together)" if self.mesh else
                 "an empty dataset" if len(self.dataset) == 0 else None)
         if skip:
@@ -332,7 +332,7 @@ class RankRun:
                 "fingerprint": self.fingerprint, **({"predictions": self.store.entry} if self.store else {}),
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
-                **({"skipped": progress.skipped} if isinstance(self.dataset, StreamSource) else {}),
+                **({"skipped": progress.skipped} if self.streamed else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:
@@ -476,7 +476,7 @@ class RankRun:
     def _decode_errors(self, rows: list[dict]) -> dict:
         """Streamed data: ``decode_errors`` {policy, skipped, evaluated, samples ("N of M samples"), ids
         [[shard, key], ...]} for results.json, and a console line when samples were skipped. {} otherwise."""
-        if not isinstance(self.dataset, StreamSource):
+        if not self.streamed:
             return {}
         skipped = sorted(int(p) for r in rows for p in r.get("skipped", []))
         n = len(self.dataset)
