@@ -23,6 +23,7 @@ from disteval.common.liveness import beat_lag, stale_after
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
 from disteval.records import is_network_error, recorded_progress
+from launchers.culprit import is_consequence
 
 from diagnostics.compare import compare_runs, summary
 from diagnostics.evidence import Evidence, Run
@@ -221,14 +222,22 @@ def convergence_reference(run: Run, probes: dict | None) -> Finding:
 
 
 # ------------------------------------------------------------------------------------------------ COMM
+def _waited_for_a_stall(run: Run, err: dict) -> bool:
+    """A rank's error says it waited for a peer that stalled or a collective that timed out; not a victim whose
+    blamed peer recorded an error of its own (that peer failed, it did not stall: INIT/ranks_ran's verdict)."""
+    if err.get("blames") is None:
+        return bool(_STALL.search(str(err.get("message", ""))))
+    own = (run.statuses.get(int(err["blames"])) or {}).get("error")
+    return not own or is_consequence(own)
+
+
 def comm_timeout(run: Run, probes: dict | None) -> Finding:
     """A rank stalled or a collective timed out: the culprit, where it stopped, and whether it was slow (its
     heartbeat kept beating: a timeout that fits) or stopped (its heartbeat stopped too: no timeout helps)."""
     culprit = _culprit(run)
     errs = _errors(run)
     # victims that waited for a peer after the process group existed (a rendezvous that timed out is INIT's)
-    timed = {r: e for r, e in errs.items() if (e.get("blames") is not None or _STALL.search(str(e.get("message", ""))))
-             and (run.statuses.get(r) or {}).get("joined")}
+    timed = {r: e for r, e in errs.items() if _waited_for_a_stall(run, e) and (run.statuses.get(r) or {}).get("joined")}
     cerr = ((run.statuses.get(culprit.rank) or {}).get("error") if culprit and culprit.rank is not None else None)
     if culprit is not None and not timed and cerr and is_network_error(cerr) \
             and (run.statuses.get(culprit.rank) or {}).get("joined"):
