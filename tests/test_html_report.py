@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, load_results, run_disteval
+from conftest import REPO, SHARED, load_results, run_disteval
 
 pytestmark = pytest.mark.slow
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -236,3 +236,42 @@ def test_task_figures_from_results(runs):
         png = base64.b64decode(png_uri(f.figure).split(",", 1)[1])
         assert not_blank(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
     assert ClassificationTask.report_figures({}) == []  # an older record without the data: no figures
+
+
+FAMILY_RUNS = {  # a W=1 run of each other task family, the task that draws its figures, the figure keys it draws
+    "detection": (["+experiment=coco_replay", "data.annotations={fce}/instances_val2014_100.json",
+                   "data.predictions={fce}/instances_val2014_fakebbox100_results.json"], "CocoReplayTask"),
+    "segmentation": (["+experiment=coco_semseg_replay"], "SegmentationTask"),
+    "embedding": (["+experiment=fashion_mnist_knn"], "EmbeddingTask"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
+def test_every_task_family_draws_its_figures(family, tmp_path):
+    """A real W=1 run of detection (COCO bbox replay), segmentation (COCO segm replay) and embedding (kNN) writes
+    report.html with its task's figures (data-figure keys), each a non-blank PNG, and the task's figures from
+    results.json alone are the page's; the main metric read from results.json is in the page."""
+    fce = SHARED / "data" / "coco" / "fce_cocoapi"
+    if not fce.is_dir():
+        pytest.skip(f"the shared COCO files are not at {fce}")
+    from disteval import tasks
+    from disteval.htmlreport.render import png_uri
+    from PIL import Image
+
+    overrides, task_name = FAMILY_RUNS[family]
+    run_dir = tmp_path / family
+    proc = subprocess.run([sys.executable, "-m", "disteval", *[o.format(fce=fce) for o in overrides],
+                           f"hydra.run.dir={run_dir}", "eval.progress=false", "dist.world_size=1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = load_results(run_dir)["metrics"]
+    figures = [f for f in getattr(tasks, task_name).report_figures(metrics) if hasattr(f, "figure")]
+    assert figures, f"{task_name} drew no figure from {sorted(metrics)}"
+    html = (run_dir / "report.html").read_text()
+    self_contained(html)
+    for f in figures:
+        assert f'data-figure="{f.key}"' in html, f.key
+        png = base64.b64decode(png_uri(f.figure).split(",", 1)[1])
+        assert not_blank(np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))), f.key
+    main = {"detection": "AP", "segmentation": "mIoU", "embedding": "knn_weighted_k20_top1"}[family]
+    assert f"{metrics[main]:.4f}" in html, (main, metrics[main])
