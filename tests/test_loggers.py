@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -291,3 +292,43 @@ def test_a_missing_tracker_package_is_a_configuration_error(tmp_path):
     assert errors == ["disteval: configuration error logger: logger=mlflow needs `pip install disteval[mlflow]` "
                       "(mlflow: No module named 'mlflow')"]
     assert not (run_dir / "ranks").exists() and not (run_dir / "results.json").exists()
+
+
+@pytest.mark.mlflow_server
+def test_mlflow_server_with_a_sqlite_backend(tmp_path):
+    """A real ``mlflow server`` (sqlite backend store, artifacts served by the server) on a free localhost port; a
+    W=1 job logs to it over HTTP and MlflowClient reads back the job's metrics, equal to its results.json.
+    Needs the full ``mlflow`` package (the server); deselected, not skipped, where only mlflow-skinny is
+    installed (tests/conftest.py), as in CI."""
+    from mlflow import MlflowClient
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                               "--artifacts-destination", str(tmp_path / "artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        client = MlflowClient(uri)
+        deadline = time.time() + 120
+        while True:
+            try:
+                client.search_experiments()
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
+                time.sleep(1)
+        run_dir = tmp_path / "run"
+        proc = _disteval(tmp_path, f"hydra.run.dir={run_dir}", "dist.world_size=1", *JOB, "logger=mlflow",
+                         f"hydra.callbacks.mlflow.tracking_uri={uri}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = _results(run_dir)
+        assert "tracker_warnings" not in results, results.get("tracker_warnings")
+        (run,) = client.search_runs([client.get_experiment_by_name("disteval").experiment_id])
+        assert run.info.status == "FINISHED" and run.data.metrics == expected_scalars(results)
+        assert "results.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
