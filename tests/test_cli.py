@@ -313,6 +313,7 @@ def test_reused_run_dir_keeps_previous_records(cli, tmp_path):
     assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank0"]  # no stale rank1/rank2
     archived = list((run_dir / "previous").glob("*/results.json"))
     assert len(archived) == 1 and json.loads(archived[0].read_text())["dataset"]["num_samples"] == 30
+    assert (archived[0].parent / "report.html").is_file() and (run_dir / "report.html").is_file()  # each its own
 
 
 def test_override_hydra_cannot_parse_names_its_key_and_the_quoting_that_works(tmp_path):
