@@ -29,7 +29,7 @@ from diagnostics.compare import compare_runs, summary
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import STATUSES, Finding, culprit as _culprit, error_ev as _error_ev, errors as _errors
 from diagnostics.findings import status_ev as _status_ev, what_was_found
-from diagnostics.init_checks import (STALL as _STALL, driver_view, init_config_agree, init_joined, init_launch,
+from diagnostics.init_checks import (STALL as _STALL, drill_remedy, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
 from diagnostics.hardware import convergence_hardware
 from diagnostics.links import comm_links, peer_gone, slow_link
@@ -359,9 +359,10 @@ def _slow_rank(run: Run, r: int, ev: list[Evidence], probes: dict | None, beatin
             and run.cfg("communication.compression", "none") == "none":
         overrides.append("communication.compression=fp16")
         why += "; fp16 halves the gathered scores"
+    # a stalled loader drill sleeps an hour: no timeout that fits; a delay drill's finite sleep does fit one
     return Finding("COMM", "timeout", "fail", f"rank {r} stopped making progress ({recorded_progress(s)}) and its "
                    f"peers timed out after {timeout:g} s (communication.timeout_s); it {alive}", ev,
-                   Remedy(overrides, why), culprit=r, phase=phase)
+                   drill_remedy(run, r, ("stall",)) or Remedy(overrides, why), culprit=r, phase=phase)
 
 
 def comm_heartbeats(run: Run, probes: dict | None) -> Finding:

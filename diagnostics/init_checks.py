@@ -588,7 +588,8 @@ def _own_error(run: Run, r: int) -> Finding:
         joined = "after" if s.get("joined") else "before"
         return fetch_finding(run, err, f"rank {r} ({joined} the process group existed)", phase or "data", ev, r)
     return Finding("INIT", "ranks_ran", "fail", f"rank {r} raised {err.get('type')} {describe(phase)}: "
-                   f"{str(err.get('message'))[:240]}", ev, culprit=r, phase=phase)
+                   f"{str(err.get('message'))[:240]}", ev, drill_remedy(run, r, ("error", "stall")), culprit=r,
+                   phase=phase)
 
 
 def _died_or_stalled(run: Run, culprit) -> Finding:
@@ -679,6 +680,15 @@ def init_config_agree(run: Run, probes: dict | None) -> Finding:
                                                                                    for r in odd],
                        culprit=odd[0], phase="init")
     return Finding("INIT", "config_agree", "pass", f"all {len(digests)} ranks ran the same configuration")
+
+
+def drill_remedy(run: Run, r: int | None, kinds: tuple[str, ...]) -> Remedy | None:
+    """"Unset the fault drill" when launch.json's DISTEVAL_FAULTS holds a fault of ``kinds`` aimed at rank ``r``
+    (the failure is the drill's: no setting fixes it); None otherwise."""
+    drill = (run.launch or {}).get("faults") or ""
+    if r is not None and any(f.kind in kinds and f.hits(r) for f in _drill_faults(drill)):
+        return Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it", unset=["DISTEVAL_FAULTS"])
+    return None
 
 
 def _drill_faults(text: str) -> list:
