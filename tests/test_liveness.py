@@ -46,6 +46,11 @@ def test_stalled_loader_gives_the_same_data_error_on_every_rank(tmp_path, stalle
     assert f"no batch from the loader workers after global batch {first + 1} within data.loader_timeout_s" \
         in err["message"], err
     assert re.search(rf"run failed.*rank {stalled}\b", out, re.S) and "DataError" in out, out
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], cwd=run_dir.parent,
+                            capture_output=True, text=True, timeout=120)
+    verdict = json.loads(doctor.stdout)["runs"][0]
+    assert verdict["verdict"]["culprit_rank"] == stalled, verdict["verdict"]
+    assert verdict["remedy"]["unset"] == ["DISTEVAL_FAULTS"], verdict["remedy"]  # the drill's, not a longer timeout
     other = _status(run_dir, 1 - stalled)
     assert other["phase"] in ("failed", "sync", "done", "forward"), other
     if other.get("error"):  # the peer's error is a consequence that quotes or follows R's, never its own stall
