@@ -149,8 +149,13 @@ def init_launch(run: Run, probes: dict | None) -> Finding:
         return _driver_failed_first(launch, ev)
     if launch.get("outcome") == "failed":
         return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s); the run failed: "
-                       f"{str(err.get('message'))[:200]} (the checks below say why)", ev)
+                       f"{_clip(str(err.get('message')), 200)} (the checks below say why)", ev)
     return Finding("INIT", "launch", "pass", f"the driver launched {run.world_size} rank(s)", ev)
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters at a word, with an ellipsis when cut."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _node_saw(err: dict) -> str:

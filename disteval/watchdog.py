@@ -119,7 +119,7 @@ class Watchdog:
                     "samples_planned": s.get("samples_planned")}
         return StalledPeerError(r, f"rank {r} stopped making progress: its heartbeat has not changed for {stale:.0f} s "
                                 f"({self.timeout_key}={self.timeout_s:g}) in phase {s.get('phase')!r}{where}, "
-                                f"after {s.get('samples_done')}/{s.get('samples_planned')} samples; the process was "
+                                f"after {s.get('samples_done')}/{s.get('samples_planned')} samples last recorded; the process was "
                                 f"stopped, froze or died silently (rank {self.rank}, in phase {mine.get('phase')!r}, "
                                 "was waiting for it)", evidence)
 

@@ -30,10 +30,10 @@ class EndLine(Callback):
     driver's other progress lines go, in the process that owns the records."""
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._print(config, Path(str(config.hydra.run.dir)))
+        self._print(config, Path(str(config.hydra.run.dir)).resolve())  # absolute, as the results: line
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._print(config, Path(str(config.hydra.sweep.dir)))
+        self._print(config, Path(str(config.hydra.sweep.dir)).resolve())
 
     @staticmethod
     def _print(config: DictConfig, directory: Path) -> None:
