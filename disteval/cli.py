@@ -201,6 +201,7 @@ def _agent_stuck(exc: BaseException, run_dir: str, record) -> None:
 
 
 _composed = False
+_failed_sweep: str | None = None  # the sweep directory of a basic-launcher multirun whose job failed
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
@@ -216,6 +217,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         if hc.mode == RunMode.MULTIRUN and not str(hc.runtime.choices.get("hydra/launcher") or "").startswith("submitit"):
             # the basic launcher runs the jobs in this process: an exception (not SystemExit) marks this job
             # failed and lets the next ones run; Hydra's sweeper raises it after the last job (exit code 1)
+            global _failed_sweep
+            _failed_sweep = str(hc.sweep.dir)
             raise DistevalError(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}; "
                                 f"see above and {hc.runtime.output_dir}")
         sys.exit(code)
@@ -272,7 +275,25 @@ def _main() -> None:
     except SystemExit as exc:
         if exc.code == 1 and not _composed and rundir.refused_with is None and not isinstance(exc, SweepExit):
             sys.exit(2)  # (a full disk at the claim stays 1, and so does a launcher's partial sweep)
+        if exc.code and _failed_sweep is not None:
+            _end_of_failed_sweep(_failed_sweep)
         raise
+
+
+def _end_of_failed_sweep(sweep_dir: str) -> None:
+    """Hydra's sweeper stops a sweep whose job failed before its end-of-sweep callbacks: print what they would
+    have, the summary table (SWEEP_DIR/summary.csv and report.html were kept current after each job) and the last
+    line naming the report and the trackers."""
+    from disteval.loggers.end_line import end_line
+    from disteval.sweep import summarize_sweep
+
+    try:
+        summarize_sweep(sweep_dir, console=_err)
+        line = end_line(os.path.abspath(sweep_dir))
+    except Exception as exc:  # noqa: BLE001 - the jobs' records stand; this is their summary
+        line = f"warning: could not summarise the sweep {sweep_dir}: {type(exc).__name__}: {exc}"
+    if line:
+        print(f"disteval: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,9 @@ def test_failed_job_of_a_local_sweep_does_not_stop_the_sweep(tmp_path):
     assert proc.returncode == 1
     rows = (sweep / "summary.csv").read_text().splitlines()
     assert rows[1].startswith("1,1,completed") and rows[2].startswith("0,2,failed") and "already in use" in rows[2]
+    # Hydra's sweeper ends the sweep before its end callbacks: the CLI prints the summary and the last line
+    assert proc.stderr.strip().splitlines()[-1] == f"disteval: report: {sweep / 'report.html'}", proc.stderr[-2000:]
+    assert "sweep summary" in proc.stderr and (sweep / "report.html").is_file()
     code, report = doctor(sweep)
     assert code == 1 and [r["verdict"] and r["verdict"]["check"] for r in report["runs"]] == ["launch", None]
 
