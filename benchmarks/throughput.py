@@ -217,7 +217,9 @@ def child(args) -> None:
     if "disteval" in methods:  # disteval's own bootstrap creates the process group the other methods reuse
         from disteval.bootstrap import apply_compute_settings, connect, open_records
         from disteval.comm import RankEnv, destroy_process_group
-        from disteval.engine import RankRun, start_watchdog
+        from disteval.common.liveness import beat_interval, heartbeat_timeout
+        from disteval.engine import RankRun
+        from disteval.watchdog import Watchdog
 
         class Run(RankRun):
             def evaluator(self):  # keeps the trial's evaluator, for the exact synced counts
@@ -226,7 +228,11 @@ def child(args) -> None:
 
         env = RankEnv.from_env() if w > 1 else None
         ctx = open_records(cfg, args.workdir, env)  # one run directory shared by the ranks of this launch
-        watchdog = start_watchdog(ctx, None)
+        # the rank's heartbeat thread, reading peers' status files (not the rendezvous store, which the pass's end
+        # destroys while the thread may be reading it: an abort at exit)
+        timeout_s = heartbeat_timeout(cfg.dist.heartbeat_timeout_s, cfg.communication.timeout_s)
+        watchdog = Watchdog(lambda: ctx.status, lambda: ctx.run_dir, rank, w,
+                            (timeout_s, beat_interval(timeout_s, cfg.eval.status_interval_s)), None).start()
         connect(ctx)
         apply_compute_settings(ctx)
         run = Run(ctx)
