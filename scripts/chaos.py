@@ -28,7 +28,12 @@ evaluate) and concurrent (a second run into the same run directory while the fir
 naming the holder; the first finishes with its results intact). The rounds deal the kinds like cards: every
 block of 9 rounds holds each kind once, in a seeded random order. The in-rank kinds (kill, stop, delay_past, error,
 diskfull) draw loader workers too (``data.num_workers`` 0 or 2): a rank's worker processes outlive it for a
-while and hold its pipes, which once hid a killed rank from the launcher.
+while and hold its pipes, which once hid a killed rank from the launcher. They, delay_within and bad_record
+also draw their data (from a
+random.Random of their own, so the kinds dealt by a seed stay as they were): the digits CNN, an ImageFolder tree
+of generated JPEGs through a small randomly initialised ViT (``+experiment=imagenet_vit``, decoded by the loader)
+or a generated COCO results file replayed against its annotation file (``+experiment=coco_replay``); each data
+has clean reference runs of its own. The inputs are generated once under ``--workdir``/inputs.
 
 Network kinds (scripts/chaos_net.py; only when ``--kinds`` names them: they need the network lab, root and
 namespaces): net_partition_start, net_partition_sync, net_slow_link, net_freeze_node, net_kill_node, each on 2
@@ -54,17 +59,26 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from disteval.common.ranges import batch_aligned_bounds  # noqa: E402  (the checkout, also when not installed)
+from disteval.data.coco_synthetic import make_synthetic_coco  # noqa: E402
 import chaos_net  # noqa: E402  (scripts/chaos_net.py: the network kinds)
 
 TIMEOUT_S = 5.0
-QUICK = ("eval.progress=false", "data.batch_size=16", f"communication.timeout_s={TIMEOUT_S:g}")
-NUM_SAMPLES, BATCH = 540, 16          # the default digits job: 540 held-out images
+QUICK = ("eval.progress=false", f"communication.timeout_s={TIMEOUT_S:g}")
+# data -> (samples, batch size, overrides; {inputs} is the folder of generated inputs)
+DATA = {"digits": (540, 16, ()),  # the default digits job: 540 held-out images
+        "imagefolder": (240, 8, ("+experiment=imagenet_vit", "data.root={inputs}/imagefolder", "model.name=vit_tiny",
+                                 "model.weights=null", "model.num_classes=4", "data.resize_size=32",
+                                 "data.crop_size=32", "eval.topk=[1,2]")),
+        "coco": (240, 8, ("+experiment=coco_replay", "data.annotations={inputs}/coco/instances_synthetic.json",
+                          "data.predictions={inputs}/coco/results_synthetic.json"))}
 STALL_BOUND_S = 3 * TIMEOUT_S + 5     # a failed rank -> the driver has ended (detection, the launcher's grace)
 GONE_S = 5.0                          # the driver has ended -> no process of the run is left
 DRIVER_KILL_GONE_S = TIMEOUT_S + 5.0  # a killed driver -> its ranks have stopped themselves
@@ -78,6 +92,7 @@ OUTCOMES = ("ok", "failed", "refused", "killed", "hung", "other")
 SIZES = {"kill": (1, 2, 3), "stop": (2, 3), "delay_past": (2, 3), "delay_within": (1, 2, 3), "error": (1, 2, 3),
          "diskfull": (1, 2, 3), "bad_record": (1, 2, 3), "driver_kill": (1, 2, 3), "concurrent": (1, 2, 3)}
 WORKER_KINDS = ("kill", "stop", "delay_past", "error", "diskfull")
+DATA_KINDS = (*WORKER_KINDS, "delay_within", "bad_record")  # the kinds that draw their data
 BAD_RECORDS = ("results:truncate", "results:garbage", "status:truncate", "status:garbage")
 
 
@@ -94,6 +109,7 @@ class Drill:
     seconds: float | None = None
     variant: str = ""
     workers: int = 0  # data.num_workers: loader worker processes in every rank (in-rank kinds draw 0 or 2)
+    data: str = "digits"  # a key of DATA (in-rank kinds draw it)
 
     def faults(self) -> str | None:
         """The DISTEVAL_FAULTS value of the run (None: no in-rank fault)."""
@@ -115,29 +131,36 @@ class Drill:
     def describe(self) -> str:
         extra = f" then {self.variant}" if self.kind == "bad_record" else ""
         workers = f" data.num_workers={self.workers}" if self.workers else ""
-        return f"round {self.index}: {self.kind} W={self.world_size}{workers} DISTEVAL_FAULTS={self.faults()!r}{extra}"
+        data = f" data={self.data}" if self.data != "digits" else ""
+        return (f"round {self.index}: {self.kind} W={self.world_size}{data}{workers} "
+                f"DISTEVAL_FAULTS={self.faults()!r}{extra}")
 
-    def overrides(self) -> tuple[str, ...]:
-        """The run's extra overrides (loader workers)."""
-        return (f"data.num_workers={self.workers}",) if self.workers else ()
-
-
-def rank_batches(world_size: int, rank: int) -> int:
-    """How many batches ``rank`` evaluates (batch-aligned shards of the digits job)."""
-    start, end = batch_aligned_bounds(NUM_SAMPLES, BATCH, world_size, rank)
-    return -(-(end - start) // BATCH)
+    def overrides(self, inputs: Path) -> tuple[str, ...]:
+        """The run's extra overrides: its data (``inputs``: the folder of generated inputs) and loader workers."""
+        samples, batch, args = DATA[self.data]
+        return (f"data.batch_size={batch}", *(a.format(inputs=inputs) for a in args),
+                *((f"data.num_workers={self.workers}",) if self.workers else ()))
 
 
-def draw_drill(rng: random.Random, index: int, kind: str) -> Drill:
-    """The parameters of round ``index`` of ``kind``: a world size, a rank, a batch that rank reaches."""
+def rank_batches(world_size: int, rank: int, data: str = "digits") -> int:
+    """How many batches ``rank`` evaluates (batch-aligned shards of ``data``'s job)."""
+    samples, batch, _ = DATA[data]
+    start, end = batch_aligned_bounds(samples, batch, world_size, rank)
+    return -(-(end - start) // batch)
+
+
+def draw_drill(rng: random.Random, index: int, kind: str, data_rng: random.Random | None = None) -> Drill:
+    """The parameters of round ``index`` of ``kind``: a world size, a rank, a batch that rank reaches (and, for
+    the in-rank kinds, the data from ``data_rng``)."""
     if kind in chaos_net.NET_KINDS:
         drill = Drill(index, kind, 2)
         chaos_net.draw(rng, drill)
         return drill
     w = rng.choice(SIZES[kind])
     rank = rng.randrange(w)
-    last = min(rank_batches(w, r) for r in range(w))
-    drill = Drill(index, kind, w, rank, rng.randint(1, max(1, last - 6)))
+    data = data_rng.choice(sorted(DATA)) if data_rng is not None and kind in DATA_KINDS else "digits"
+    last = min(rank_batches(w, r, data) for r in range(w))
+    drill = Drill(index, kind, w, rank, rng.randint(1, max(1, last - 6)), data=data)
     if kind == "stop":
         drill.variant = rng.choice(("batch", "sync"))
         drill.batch = None if drill.variant == "sync" else drill.batch
@@ -160,13 +183,13 @@ def draw_drill(rng: random.Random, index: int, kind: str) -> Drill:
 def draw_drills(seed: int, rounds: int, kinds: tuple[str, ...]) -> list[Drill]:
     """``rounds`` drills from ``random.Random(seed)``: kinds dealt in shuffled blocks, so every block of
     len(kinds) rounds holds each kind once."""
-    rng = random.Random(seed)
+    rng, data_rng = random.Random(seed), random.Random(f"data:{seed}")
     drills, deck = [], []
     for i in range(rounds):
         if not deck:
             deck = list(kinds)
             rng.shuffle(deck)
-        drills.append(draw_drill(rng, i, deck.pop()))
+        drills.append(draw_drill(rng, i, deck.pop(), data_rng))
     return drills
 
 
@@ -212,6 +235,19 @@ def wait_gone(pids: set[int], sid: int, bound: float) -> tuple[float | None, lis
 
 
 # ------------------------------------------------------------------------------------------------- runs
+def write_image_tree(root: Path, classes: int, per_class: int, size: int = 40) -> None:
+    """An ImageFolder tree of random JPEGs: ``classes`` folders of ``per_class`` images (written atomically: a
+    folder next to ``root`` renamed into place)."""
+    rng = np.random.default_rng(0)
+    tmp = root.with_name(root.name + ".tmp")
+    for c in range(classes):
+        (tmp / f"c{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 255, size=(size, size + 7, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp / f"c{c}" / f"{i:03d}.jpg")
+    tmp.rename(root)
+
+
 @dataclass
 class Launched:
     """A ``python -m disteval`` started in the background; ``log`` holds its stdout and stderr."""
@@ -338,6 +374,7 @@ class Round:
     doctor: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
     violations: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # the run's extra overrides (its data, loader workers)
 
     def violate(self, invariant: str, what: str) -> None:
         self.violations[invariant] = (self.violations.get(invariant, "") + "; " + what).lstrip("; ")
@@ -403,7 +440,7 @@ def check_kept(rnd: Round, run_dir: Path, before: dict[str, bytes]) -> None:
         return
     if rnd.outcome != "ok":
         return
-    again = start_run(run_dir, rnd.drill.world_size, None)
+    again = start_run(run_dir, rnd.drill.world_size, None, rnd.args)
     code, _ = finish(again, 120)
     text = " ".join(again.log.read_text().split())
     rnd.facts["rerun_exit"] = code
@@ -447,23 +484,43 @@ class Chaos:
 
     def __init__(self, workdir: Path, console: Console):
         self.workdir, self.console = workdir, console
-        self.references: dict[int, str] = {}
+        self.references: dict[tuple[str, int], str] = {}  # (data, world size) -> canonical metrics
         self.net = chaos_net.NetDrills()  # the network kinds' lab, started by the first such round
 
-    def reference(self, world_size: int) -> str:
-        """The canonical metrics of a clean run at ``world_size`` (run once). Raises RuntimeError if it fails."""
-        if world_size not in self.references:
-            run = start_run(self.workdir / f"reference-w{world_size}", world_size, None)
+    def inputs(self, data: str) -> Path:
+        """The folder of generated inputs, with ``data``'s files written on first use."""
+        inputs = self.workdir / "inputs"
+        if data == "imagefolder" and not (inputs / "imagefolder").is_dir():
+            write_image_tree(inputs / "imagefolder", classes=4, per_class=DATA[data][0] // 4)
+        elif data == "coco" and not (inputs / "coco").is_dir():
+            make_synthetic_coco(inputs / "coco", num_images=DATA[data][0], num_categories=5, dets_per_image=20,
+                                seed=11)
+        return inputs
+
+    def reference(self, world_size: int, rnd: Round) -> str:
+        """The canonical metrics of a clean run of ``rnd``'s data at ``world_size`` (run once; its loader workers
+        do not change them). Raises RuntimeError if it fails."""
+        data = rnd.drill.data
+        if (data, world_size) not in self.references:
+            args = Drill(-1, "reference", world_size, data=data).overrides(self.inputs(data))
+            run = start_run(self.workdir / f"reference-{data}-w{world_size}", world_size, None, args)
             code, wall = finish(run)
             if code != 0:
-                raise RuntimeError(f"the clean reference run at W={world_size} failed (exit {code}); see {run.log}")
-            self.references[world_size] = canonical(json.loads((run.run_dir / "results.json").read_text())["metrics"])
-            self.console.print(f"[dim]reference W={world_size}: {wall:.1f} s[/]", highlight=False)
-        return self.references[world_size]
+                raise RuntimeError(f"the clean reference run of {data} at W={world_size} failed (exit {code}); "
+                                   f"see {run.log}")
+            metrics = canonical(json.loads((run.run_dir / "results.json").read_text())["metrics"])
+            self.references[data, world_size] = metrics
+            self.console.print(f"[dim]reference {data} W={world_size}: {wall:.1f} s[/]", highlight=False)
+        return self.references[data, world_size]
+
+    def references_agree(self) -> bool:
+        """Bitwise mode: each data's clean reference runs have the same bits at every world size."""
+        return all(len({m for (d, _), m in self.references.items() if d == data}) <= 1 for data in DATA)
 
     def play(self, drill: Drill) -> Round:
         """Run one drill and check every invariant."""
         rnd = Round(drill, expect(drill))
+        rnd.args = drill.overrides(self.inputs(drill.data))
         name = f"round{drill.index:03d}-{drill.kind}"
         net = drill.kind in chaos_net.NET_KINDS
         run_dir = self.net.run_dir(name) if net else self.workdir / name  # lab rounds: a folder every node sees
@@ -473,7 +530,7 @@ class Chaos:
                   "bad_record": self.bad_record}.get(drill.kind, self.net.play if net else self.in_rank)
         action(rnd, run_dir)
         if drill.kind != "bad_record":  # checked before the record is corrupted
-            check_results(rnd, run_dir, self.reference(drill.world_size) if rnd.outcome == "ok" else None)
+            check_results(rnd, run_dir, self.reference(drill.world_size, rnd) if rnd.outcome == "ok" else None)
         check_doctor(rnd, run_dir)
         check_outcome(rnd)
         rnd.facts["round_s"] = round(time.monotonic() - t0, 1)
@@ -493,12 +550,12 @@ class Chaos:
 
     def in_rank(self, rnd: Round, run_dir: Path) -> None:
         """kill, stop, delay, error, diskfull: DISTEVAL_FAULTS in the ranks."""
-        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, rnd.drill.faults(), rnd.drill.overrides()))
+        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, rnd.drill.faults(), rnd.args))
 
     def driver_kill(self, rnd: Round, run_dir: Path) -> None:
         """SIGKILL the driver once every rank evaluates (each sleeps 60 s after a batch): its ranks must stop
         themselves within the timeout."""
-        run = start_run(run_dir, rnd.drill.world_size, rnd.drill.faults())
+        run = start_run(run_dir, rnd.drill.world_size, rnd.drill.faults(), rnd.args)
         if not wait_for_forward(run_dir, rnd.drill.world_size):
             rnd.violate("outcome", "the ranks never reached phase forward")
         time.sleep(1.0)
@@ -507,10 +564,10 @@ class Chaos:
 
     def concurrent(self, rnd: Round, run_dir: Path) -> None:
         """A second run into the same directory while the first runs: refused (exit 2) naming the holder."""
-        first = start_run(run_dir, rnd.drill.world_size, rnd.drill.faults())
+        first = start_run(run_dir, rnd.drill.world_size, rnd.drill.faults(), rnd.args)
         if not wait_for_forward(run_dir, rnd.drill.world_size):
             rnd.violate("outcome", "the first run's ranks never reached phase forward")
-        second = start_run(run_dir, rnd.drill.world_size, None)
+        second = start_run(run_dir, rnd.drill.world_size, None, rnd.args)
         code, _ = finish(second, 180)
         first_alive = first.proc.poll() is None
         text = " ".join(second.log.read_text().split())
@@ -524,8 +581,8 @@ class Chaos:
     def bad_record(self, rnd: Round, run_dir: Path) -> None:
         """A clean run (its results checked), then one of its records truncated or overwritten with garbage
         (``variant``); the doctor must name it, and its bytes must stay as they are."""
-        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, None))
-        check_results(rnd, run_dir, self.reference(rnd.drill.world_size) if rnd.outcome == "ok" else None)
+        self.ended(rnd, start_run(run_dir, rnd.drill.world_size, None, rnd.args))
+        check_results(rnd, run_dir, self.reference(rnd.drill.world_size, rnd) if rnd.outcome == "ok" else None)
         which, how = rnd.drill.variant.split(":")
         path = run_dir / ("results.json" if which == "results" else f"ranks/rank{rnd.drill.rank}/status.json")
         if path.exists():
@@ -622,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         chaos.net.close()
-    refs_agree = len(set(chaos.references.values())) <= 1  # bitwise mode: the same bits at every world size
+    refs_agree = chaos.references_agree()
     rows = summarize(rounds, args.kinds)
     wall = time.monotonic() - t0
     print_table(rows, console, f"chaos: seed {args.seed}, {len(rounds)} rounds, {wall:.0f} s")
