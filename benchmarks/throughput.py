@@ -293,6 +293,10 @@ def child(args) -> None:
     for f in finish:
         f()
     Path(args.out).write_text(json.dumps(record))
+    # as a rank does once its work is delivered: end without the interpreter's teardown, in which gloo's threads
+    # can still hold tensors of finished async work and abort the process ("terminate called ...", exit -6)
+    from disteval.common import startup
+    startup.skip_teardown_at_exit()
 
 
 def _free_port() -> int:
@@ -326,7 +330,8 @@ def launch(method: str, w: int, args, job_path: Path, workdir: Path, alloc_env: 
             text, _ = proc.communicate()
             text += f"\n(timed out after {args.timeout:.0f} s)"
         if proc.returncode != 0 or not out.is_file():
-            failed.append(f"{method} W={w}: exit {proc.returncode}\n" + "\n".join(text.splitlines()[-30:]))
+            when = " after writing its record" if out.is_file() else " before writing its record"
+            failed.append(f"{method} W={w}: exit {proc.returncode}{when}\n" + "\n".join(text.splitlines()[-30:]))
         else:
             records.append(json.loads(out.read_text()))
     if failed:

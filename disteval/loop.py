@@ -5,8 +5,13 @@ here; ``disteval.sync`` synchronises what the evaluator accumulated."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import multiprocessing
+import os
 import re
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
@@ -137,10 +142,26 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
                         pin_memory=spec.pin_memory, persistent_workers=persistent,
                         prefetch_factor=spec.prefetch_factor if workers else None,
                         timeout=(spec.loader_timeout_s or 0) if workers else 0,
-                        multiprocessing_context=context, collate_fn=spec.collate_fn)
+                        multiprocessing_context=context, collate_fn=spec.collate_fn,
+                        worker_init_fn=functools.partial(die_with_rank, os.getpid()) if workers else None)
     if persistent:
         _PERSISTENT[key] = (dataset, loader, sampler)
     return loader, sampler
+
+
+def die_with_rank(rank_pid: int, worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn``: the kernel SIGKILLs this worker when its rank ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``, the way torch's spawn start ties a rank to its launcher). torch's own watchdog
+    notices a dead rank only every 5 s, and a worker whose result pipe is full then never exits: every worker
+    holds the pipe's read end too (inherited), so the write blocks forever, the worker keeps the killed rank's
+    sentinel open and torch's elastic agent waits 30 s for a rank that is already gone. ``rank_pid``: the
+    rank's pid when the loader was made (a worker whose rank died before this ran ends at once). No-op off
+    Linux."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != rank_pid:  # the rank died between the fork and the prctl
+        os._exit(1)
 
 
 # loaders with persistent workers, kept for the next trial of the same shard (a process evaluates one job)
@@ -277,6 +298,7 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
     context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
                         multiprocessing_context=context,
+                        worker_init_fn=functools.partial(die_with_rank, os.getpid()) if spec.num_workers > 0 else None,
                         prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
                         timeout=(spec.loader_timeout_s or 0) if spec.num_workers > 0 else 0)
     first = (start + spec.skip) // spec.batch_size if spec.aligned else start

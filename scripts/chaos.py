@@ -214,9 +214,19 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
-def wait_gone(pids: set[int], sid: int, bound: float) -> tuple[float | None, list[int]]:
+def describe_pid(pid: int) -> str:
+    """``pid`` with its state, parent and command line from /proc (what a leftover process was)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, IndexError):
+        return f"{pid} (gone)"
+    return f"{pid} (state {fields[0]}, parent {fields[1]}: {cmd[:160]})"
+
+
+def wait_gone(pids: set[int], sid: int, bound: float) -> tuple[float | None, list[str]]:
     """Wait up to ``bound`` s for ``pids`` and session ``sid`` to end. Returns (seconds it took or None, the pids
-    still alive at the bound: these are then SIGKILLed, as cleanup)."""
+    still alive at the bound, described: these are then SIGKILLed, as cleanup)."""
     t0 = time.monotonic()
     while True:
         alive = sorted(p for p in pids | set(session_pids(sid)) if proc_state(p))
@@ -224,13 +234,14 @@ def wait_gone(pids: set[int], sid: int, bound: float) -> tuple[float | None, lis
         if not alive:
             return took, []
         if took > bound:
+            described = [describe_pid(p) for p in alive]
             for p in alive:
                 try:
                     os.kill(p, signal.SIGCONT)
                     os.kill(p, signal.SIGKILL)
                 except OSError:
                     pass
-            return None, alive
+            return None, described
         time.sleep(0.1)
 
 

@@ -97,6 +97,7 @@ def _installed(distribution: str) -> bool:
     return True
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are deselected (reported as deselected, not skipped) on a machine without CUDA,
     so CI, which has no GPU, neither runs nor skips them; ``scripts/gpu_check.sh`` runs them on a GPU. Tests
@@ -112,6 +113,25 @@ def pytest_collection_modifyitems(config, items):
         if chosen:
             config.hook.pytest_deselected(items=chosen)
             items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+    _group_for_workers(items)
+
+
+# Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) a test file is one unit of work, so a
+# module's ranks started once by its fixture serve all of its cases on one worker. The tests of the SLURM
+# clusters and of the network lab are one unit together, first in line: one cluster's CPUs at a time, and two
+# labs started at once race in ``ip netns add`` (its first bind mount of /run/netns); it is the longest unit
+# and mostly waits, so the other worker runs the rest meanwhile.
+EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after another on one worker
+
+
+def _group_for_workers(items) -> None:
+    """Give every test an ``xdist_group``: its file, or "exclusive" (EXCLUSIVE markers), which goes first."""
+    def unit(item) -> str:
+        return "exclusive" if any(item.get_closest_marker(m) is not None for m in EXCLUSIVE) else item.path.name
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
+    items.sort(key=lambda item: unit(item) != "exclusive")  # stable: files keep their order
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -27,6 +27,7 @@ TABLES = {"allocator.py": "allocator policies", "checkpoints.py": "checkpoints i
           "throughput.py": "loop throughput:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
+USES_LAB = {"links.py"}  # the network lab: one xdist worker runs every lab test (tests/conftest.py)
 NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py",
                  "checkpoints.py"}
 
@@ -40,7 +41,8 @@ def _load(name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.netlab) if p.name in USES_LAB else p
+                                    for p in BENCHMARKS], ids=lambda p: p.name)
 def test_benchmark_smoke(script: Path, tmp_path):
     """``python benchmarks/X.py --smoke`` from outside the checkout: exit 0, its table, its verdict."""
     if script.name in NEEDS_FASHION and not any(FASHION_ROOT.glob("t10k-*")):

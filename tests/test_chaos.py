@@ -43,6 +43,7 @@ def test_seeded_chaos_rounds_keep_every_invariant(tmp_path):
 NET_KINDS = ("net_partition_start", "net_partition_sync", "net_slow_link", "net_freeze_node", "net_kill_node")
 
 
+@pytest.mark.netlab
 def test_seeded_network_chaos_on_the_lab(tmp_path):
     """``--kinds`` the five network kinds, 5 rounds: every kind once (dealt like cards), each on 2 lab nodes with
     the fault on n2; every invariant holds on both nodes: the doctor's verdict and culprit (a rank of n2, none for

@@ -5,8 +5,11 @@ prefetch) are in tests/test_gpu.py, marked ``gpu``."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -63,6 +66,58 @@ def test_persistent_workers_are_kept_for_the_next_trial():
         _PERSISTENT.clear()
     plain, _ = make_loader(ds, ShardSpec(rank=1, world_size=2, batch_size=3, num_workers=1))
     assert plain is not first and not plain.persistent_workers
+
+
+_KILLED_WITH_WORKERS = """
+import json, os, sys, time
+import torch
+from torch.utils.data import Dataset
+from disteval.loop import ShardSpec, make_loader
+
+class Big(Dataset):  # items that are not tensors: pickled through the workers' result pipe (~200 kB a batch)
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return {"i": i, "payload": list(range(25_000))}
+
+loader, _ = make_loader(Big(), ShardSpec(rank=0, world_size=1, batch_size=2, num_workers=2, prefetch_factor=4,
+                                         collate_fn=lambda items: items))
+batches = iter(loader)
+next(batches)
+print(json.dumps([w.pid for w in batches._workers]), flush=True)
+time.sleep(60)  # the workers fill the pipe with prefetched batches while the rank is killed here
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_loader_workers_end_with_a_killed_rank(tmp_path):
+    """A rank SIGKILLed while its loader workers hold prefetched batches: the workers end at once (the kernel's
+    parent-death signal), not after torch's 5 s watchdog, and never stay blocked writing to a result pipe that
+    no one reads (they held the killed rank's pipes open, and torch's elastic agent then waited 30 s for it)."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_WORKERS], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        time.sleep(1.0)  # the workers prefetch until the pipe is full
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 2.0
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in pids if _alive(p)]
+        assert not left, f"loader worker(s) {left} still alive 2 s after their rank was killed"
+    finally:
+        proc.kill()
+        for p in pids if "pids" in locals() else []:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, SHARED, load_results, rank_status, run_disteval, wait_for
 from disteval.testing.netlab import NetLab
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.netlab]
 
 REASON = NetLab.available()
 if REASON:
