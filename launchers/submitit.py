@@ -128,10 +128,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
-            if no_cluster:
-                refused[i] = no_cluster
-                continue
-            try:  # what is knowable up front fails here, before anything is submitted
+            try:  # what is knowable up front fails here, before anything is submitted (the job's own faults first)
                 shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
                                   self.params.get("gpus_per_node"))
                 unfit = capacity.shape_problem(*shape, self.params.get("cpus_per_task")) if capacity else None
@@ -141,6 +138,9 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                 exports = tuple(resolve_allocator(str(cfg.dist.allocator)).shell_exports())
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
                 refused[i] = f"{type(exc).__name__}: {exc}"
+                continue
+            if no_cluster:  # a job that is fine but has nowhere to go
+                refused[i] = no_cluster
                 continue
             # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
             (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)

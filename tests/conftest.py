@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -95,6 +96,19 @@ def _installed(distribution: str) -> bool:
     except PackageNotFoundError:
         return False
     return True
+
+
+def slurm_unavailable() -> str | None:
+    """Why the tests marked ``slurm`` cannot submit here (None: a SLURM node is up)."""
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return "no SLURM binaries (scripts/slurm/start_cluster.sh installs and starts a local cluster)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0 or not any(s in out.stdout for s in ("idle", "mixed", "allocated")):
+        return f"no SLURM node is up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run scripts/slurm/start_cluster.sh"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks

@@ -9,33 +9,20 @@ import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import load_results
+from conftest import load_results, slurm_unavailable
 
 pytestmark = pytest.mark.slurm
 
 
-def _cluster_up() -> str | None:
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        return "no SLURM binaries (scripts/slurm/start_cluster.sh installs and starts a local cluster)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"sinfo failed: {exc}"
-    if out.returncode != 0 or not any(s in out.stdout for s in ("idle", "mixed", "allocated")):
-        return f"no SLURM node is up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run scripts/slurm/start_cluster.sh"
-    return None
-
-
 @pytest.fixture(scope="session")
 def slurm():
-    reason = _cluster_up()
+    reason = slurm_unavailable()
     if reason:
         pytest.skip(reason)
 
