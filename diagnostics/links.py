@@ -98,7 +98,7 @@ def comm_links(run: Run, probes: dict | None) -> Finding:
     nodes = node_throughput({r: s for r, s in run.statuses.items() if s})
     if not nodes:
         return Finding("COMM", "links", "skipped", "no collective large enough to measure a link's throughput "
-                       f"(at least 64 KiB through a rank's link)")
+                       "(at least 64 KiB through a rank's link)")
     table = "; ".join(f"{h}: {mbit(n['bps']):,.1f} Mbit/s (ranks {n['ranks']})" for h, n in sorted(nodes.items()))
     ev = [Evidence(f"ranks/rank{n['ranks'][0]}/status.json", f"{mbit(n['bps']):,.1f} Mbit/s",
                    field="collectives_done") for _, n in sorted(nodes.items())]

@@ -26,7 +26,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from disteval import driverlog
 from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
-from disteval.config import DistevalConfig, conf_dir, register_schemas
+from disteval.config import DistevalConfig, conf_dir, moved_key, register_schemas
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
                              RunInterrupted, SweepExit)
 from disteval import rundir
@@ -237,7 +237,7 @@ def main() -> None:
         Plugins.instance().register(launcher)
     if not startup.info_request(sys.argv[1:]):
         startup.progress("composing the config")
-    problem = unparsable_override(sys.argv[1:])
+    problem = unparsable_override(sys.argv[1:]) or next(filter(None, map(moved_key, sys.argv[1:])), None)
     if problem:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(problem)}", soft_wrap=True, highlight=False)
         sys.exit(2)

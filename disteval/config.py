@@ -501,13 +501,73 @@ class PredictionsConfig:
     label_maps: bool = False
 
 
+# keys that moved into a task's own node (2026-12): an override of the old name is refused naming the new one
+MOVED_KEYS = {"eval.topk": "eval.classification.topk", "eval.ece_bins": "eval.classification.ece_bins",
+              "eval.iou_type": "eval.detection.iou_type", "eval.ignore_index": "eval.segmentation.ignore_index"}
+
+
+def moved_key(override: str) -> str | None:
+    """A message for a command-line ``override`` that sets a key of ``MOVED_KEYS`` (naming its new place),
+    else None."""
+    key, _, value = override.lstrip("+~").partition("=")
+    new = MOVED_KEYS.get(key)
+    return None if new is None else (f"{key} is now {new} (each task's options have a node of their own): "
+                                     f"use {new}={value}")
+
+
+@dataclass
+class ClassificationOptions:
+    """``eval.classification.*`` (the classification task, ``disteval/tasks/classification.py``; also the
+    classification metrics of an embedding run and the bootstrap's columns): ``topk``, the k of top-k accuracy
+    (each in [1, C]; the task checks C); ``ece_bins``, the equal-width confidence bins of the expected calibration
+    error (Guo et al. 2017)."""
+
+    topk: List[int] = field(default_factory=lambda: [1, 5])
+    ece_bins: int = 15
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``eval.classification.*`` key."""
+        if not self.topk or any(k < 1 for k in self.topk):
+            raise ConfigError("eval.classification.topk", f"needs positive integers, got {list(self.topk)}")
+        _at_least("eval.classification.ece_bins", self.ece_bins, 1)
+
+
+@dataclass
+class DetectionOptions:
+    """``eval.detection.*`` (the detection and replay tasks, ``disteval/tasks/detection.py``): ``iou_type``,
+    ``bbox`` or ``segm`` (pycocotools' iouType; live models: bbox)."""
+
+    iou_type: str = "bbox"
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``eval.detection.*`` key."""
+        if self.iou_type not in ("bbox", "segm"):
+            raise ConfigError("eval.detection.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
+
+
+@dataclass
+class SegmentationOptions:
+    """``eval.segmentation.*`` (semantic segmentation, ``disteval/tasks/segmentation.py``): ``ignore_index``, the
+    label value left out of every count (default 255, VOC's boundary; null: none)."""
+
+    ignore_index: Optional[int] = 255
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``eval.segmentation.*`` key."""
+        if self.ignore_index is not None and self.ignore_index < 0:
+            raise ConfigError("eval.segmentation.ignore_index",
+                              f"must be a label value >= 0 or null, got {self.ignore_index}")
+
+
 @dataclass
 class EvalConfig:
-    """``eval.*``: metric families and their options (classification, ranking; coco for detection data).
-    iou_type: bbox | segm (coco). save_predictions: each rank writes its samples' predictions as Parquet
+    """``eval.*``: metric families (classification, ranking; coco for detection data) and how the run goes;
+    each task's own options are in a node of their own: ``classification`` (``ClassificationOptions``),
+    ``detection`` (``DetectionOptions``), ``segmentation`` (``SegmentationOptions``), ``embedding``
+    (``EmbeddingConfig``), each validated by its ``validate``. save_predictions: each rank writes its samples'
+    predictions as Parquet
     (RUN_DIR/predictions/, see ``PredictionsConfig``); detection also as a COCO results file
-    RUN_DIR/ranks/rank{r}/predictions.json. topk: the k of top-k accuracy. ece_bins: equal-width
-    confidence bins of the expected calibration error. trials: evaluate the dataset this many times; when the
+    RUN_DIR/ranks/rank{r}/predictions.json. trials: evaluate the dataset this many times; when the
     trials disagree, each scalar metric is their ``trial_aggregate`` (mean | median | sigma_clip: the mean of
     trials within clip_sigma * 1.4826 * MAD of the median), see ``disteval.metrics.robust``. outlier_z: per-rank
     local top-1 accuracies with a modified z-score beyond it are reported as outlier ranks;
@@ -524,16 +584,13 @@ class EvalConfig:
     the images/s). compile_mode: torch.compile's mode (default | reduce-overhead | max-autotune |
     max-autotune-no-cudagraphs). compile_backend: torch.compile's backend (inductor; ``eager`` or ``aot_eager``
     trace the model without generating kernels: for checking that a model compiles, and in the tests).
-    ignore_index: the label value semantic segmentation leaves out of every count (default 255, VOC's boundary;
-    null: none); with save_predictions=true a segmentation run writes its predicted maps as a COCO-style results
-    file (image_id = sample id, category_id = class index)."""
+    With save_predictions=true a segmentation run writes its predicted maps as a COCO-style results file
+    (image_id = sample id, category_id = class index)."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
     record_batches: bool = True
     metrics: List[str] = field(default_factory=lambda: ["classification"])
-    topk: List[int] = field(default_factory=lambda: [1, 5])
-    ece_bins: int = 15
     trials: int = 1
     trial_aggregate: str = "median"
     clip_sigma: float = 3.0
@@ -541,21 +598,22 @@ class EvalConfig:
     exclude_outlier_ranks: bool = False
     status_interval_s: float = 1.0
     progress: bool = True
-    iou_type: str = "bbox"
     save_predictions: bool = False
     overwrite: bool = False
     compile: bool = False
     compile_mode: str = "default"
     compile_backend: str = "inductor"
-    ignore_index: Optional[int] = 255
+    classification: ClassificationOptions = field(default_factory=ClassificationOptions)
+    detection: DetectionOptions = field(default_factory=DetectionOptions)
+    segmentation: SegmentationOptions = field(default_factory=SegmentationOptions)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
     ci: CIConfig = field(default_factory=CIConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
-        self.embedding.validate()
-        self.ci.validate()
+        for options in (self.classification, self.detection, self.segmentation, self.embedding, self.ci):
+            options.validate()
         _at_least("eval.predictions.topk", self.predictions.topk, 1)
         _at_least("eval.trials", self.trials, 1)
         if self.trial_aggregate not in AGGREGATES:
@@ -565,18 +623,11 @@ class EvalConfig:
         _finite_positive("eval.status_interval_s", self.status_interval_s, most=3600.0)
         if not self.metrics:
             raise ConfigError("eval.metrics", "needs at least one metric family")
-        if not self.topk or any(k < 1 for k in self.topk):
-            raise ConfigError("eval.topk", f"needs positive integers, got {list(self.topk)}")
-        _at_least("eval.ece_bins", self.ece_bins, 1)
-        if self.iou_type not in ("bbox", "segm"):
-            raise ConfigError("eval.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
         if self.compile and self.compile_backend not in _compile_backends():
             raise ConfigError("eval.compile_backend", f"{self.compile_backend!r} is not a torch.compile backend; "
                               f"known: {_compile_backends()}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError("eval.compile_mode", f"{self.compile_mode!r} is not one of {list(COMPILE_MODES)}")
-        if self.ignore_index is not None and self.ignore_index < 0:
-            raise ConfigError("eval.ignore_index", f"must be a label value >= 0 or null, got {self.ignore_index}")
 
 
 @dataclass

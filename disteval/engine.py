@@ -41,7 +41,7 @@ from disteval.metrics.robust import rank_outliers, summarize_trials
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.peers import PeerFailedError, PeerWatch
-from disteval.metrics.bootstrap import SampleColumns, intervals
+from disteval.metrics.bootstrap import CI_PROBS_MAX_CLASSES, intervals
 from disteval.models.checkpoint_set import with_checkpoint
 from disteval.predictions import PredictionHook, SampleStatsHook, store_record, weights_digest
 from disteval.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
@@ -53,7 +53,6 @@ from disteval.watchdog import Watchdog, parent_to_watch, record_driver_death
 
 __all__ = ["PeerFailedError", "RankRun", "run_rank", "worker_entry"]
 
-CI_PROBS_MAX_CLASSES = 100  # eval.ci: the AUROC interval gathers N x C probabilities to rank 0
 
 
 class RankRun:
@@ -108,11 +107,11 @@ class RankRun:
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
         self.store = self._store()
-        ci_on = int(cfg.eval.ci.resamples) > 0 and self.task.logits_per_sample
+        cols = self.task.sample_columns() if int(cfg.eval.ci.resamples) > 0 else None
         self.stats = None
-        if ci_on:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
-            self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(self._sample_columns()) for m in self.members})
-                          if self.members else SampleStatsHook(self._sample_columns()))
+        if cols is not None:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
+            self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(cols) for m in self.members})
+                          if self.members else SampleStatsHook(cols))
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -305,13 +304,6 @@ class RankRun:
                                    f"sample's probabilities, done up to {CI_PROBS_MAX_CLASSES} classes)"]
         out["seconds"] = time.perf_counter() - t0
         return out
-
-    def _sample_columns(self) -> SampleColumns:
-        """What each sample keeps for the intervals: top-k, NLL, macro F1, ECE, and the probabilities for the
-        AUROC when ``ranking`` is among the metrics and C <= ``CI_PROBS_MAX_CLASSES``."""
-        cfg, c = self.ctx.cfg, int(self.task.num_classes)
-        return SampleColumns(tuple(int(k) for k in cfg.eval.topk), c, int(cfg.eval.ece_bins),
-                             probs="ranking" in cfg.eval.metrics and c <= CI_PROBS_MAX_CLASSES)
 
     def _after_loop(self, ev: Evaluator) -> float:
         """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as

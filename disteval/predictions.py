@@ -100,11 +100,12 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
         "data": {"name": data.get("name"), "split": data.get("split"), "num_samples": identity["num_samples"],
                  "preprocessing_digest": preprocessing_digest(data), "preprocessing": preprocessing_values(data),
                  **_annotations(data)},
-        "settings": {**({"iou_type": str(cfg.eval.get("iou_type"))} if data.get("annotations") else {}),
+        "settings": {**({"iou_type": str(cfg.eval.detection.iou_type)} if data.get("annotations") else {}),
                      "topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
                      "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
                      "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
-                     "metrics": [str(m) for m in cfg.eval.metrics], "eval_topk": [int(k) for k in cfg.eval.topk]},
+                     "metrics": [str(m) for m in cfg.eval.metrics],
+                     "eval_topk": [int(k) for k in cfg.eval.classification.topk]},
         "columns": identity.get("columns"), "files": sorted(entries, key=lambda e: e["rank"]),
     }
     path = Path(run_dir) / STORE_DIR / MANIFEST

@@ -67,7 +67,8 @@ def command(store: Path, manifest: dict, overrides: list[str]) -> list[str]:
             f"data.annotations={manifest['data']['annotations']}"]
         return [sys.executable, "-m", "disteval", "+experiment=coco_replay", *data, f"data.predictions={store}",
                 f"data.batch_size={int(settings['batch_size'])}", f"eval.mode={settings['mode']}", *rest]
-    same = [f"eval.metrics=[{','.join(settings['metrics'])}]", f"eval.topk=[{','.join(map(str, settings['eval_topk']))}]"]
+    same = [f"eval.metrics=[{','.join(settings['metrics'])}]",
+            f"eval.classification.topk=[{','.join(map(str, settings['eval_topk']))}]"]
     same = [o for o in same if not any(r.startswith(o.split("=")[0] + "=") for r in rest)]  # the job's own win
     return [sys.executable, "-m", "disteval", "data=predictions", f"data.root={store}",
             f"data.batch_size={int(settings['batch_size'])}", f"data.split={manifest['data'].get('split')}",

@@ -76,7 +76,7 @@ QUICK = ("eval.progress=false", f"communication.timeout_s={TIMEOUT_S:g}")
 DATA = {"digits": (540, 16, ()),  # the default digits job: 540 held-out images
         "imagefolder": (240, 8, ("+experiment=imagenet_vit", "data.root={inputs}/imagefolder", "model.name=vit_tiny",
                                  "model.weights=null", "model.num_classes=4", "data.resize_size=32",
-                                 "data.crop_size=32", "eval.topk=[1,2]")),
+                                 "data.crop_size=32", "eval.classification.topk=[1,2]")),
         "coco": (240, 8, ("+experiment=coco_replay", "data.annotations={inputs}/coco/instances_synthetic.json",
                           "data.predictions={inputs}/coco/results_synthetic.json"))}
 STALL_BOUND_S = 3 * TIMEOUT_S + 5     # a failed rank -> the driver has ended (detection, the launcher's grace)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import load_results, run_disteval
 from disteval.common import allocator
-from disteval.common.allocator import GLIBC_TUNED, AllocatorChoice, find_library, in_force, resolve
+from disteval.common.allocator import GLIBC_TUNED, AllocatorChoice, find_library, resolve
 from disteval.errors import ConfigError
 
 QUICK = ("eval.progress=false", "data.batch_size=16")

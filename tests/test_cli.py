@@ -14,6 +14,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from conftest import REPO, load_results, run_disteval
+from disteval.config import MOVED_KEYS, moved_key
 from disteval.models.reference_cnn import DigitsCNN
 from reference import reference_metrics
 
@@ -187,7 +188,10 @@ def test_checkpoint_errors_before_ranks(cli, tmp_path):
 
 @pytest.mark.parametrize("override,key", [("precision.count_dtype=float32", "precision.count_dtype"),
                                           ("precision.sum_dtype=float16", "precision.sum_dtype"),
-                                          ("eval.topk=[1,20]", "eval.topk"),
+                                          ("eval.classification.topk=[1,20]", "eval.classification.topk"),
+                                          ("eval.classification.ece_bins=0", "eval.classification.ece_bins"),
+                                          ("eval.detection.iou_type=keypoints", "eval.detection.iou_type"),
+                                          ("eval.segmentation.ignore_index=-1", "eval.segmentation.ignore_index"),
                                           ("dist.world_size=0", "dist.world_size"),
                                           ("data.limit=0", "data.limit"),
                                           ("model.weights=null model.num_classes=5", "model.num_classes"),
@@ -327,6 +331,18 @@ def test_override_hydra_cannot_parse_names_its_key_and_the_quoting_that_works(tm
                             'data.urls="shards/val-{000000..000009}.tar"', "--cfg", "job"],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert shown.returncode == 0 and "urls: shards/val-{000000..000009}.tar" in shown.stdout, shown.stderr[-2000:]
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED_KEYS.items()))
+def test_a_task_option_under_its_old_name_is_refused_naming_its_node(tmp_path, old, new):
+    """``eval.topk`` & co. moved into the tasks' own nodes (``eval.classification.topk``): the old name is refused
+    before Hydra composes (exit 2, no run directory) with the override to use instead."""
+    value = {"eval.topk": "[1]", "eval.ece_bins": "10", "eval.iou_type": "segm", "eval.ignore_index": "0"}[old]
+    proc = run_disteval(f"{old}={value}", run_dir=tmp_path / "run")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and f"configuration error {old} is now {new}" in text, text[-2000:]
+    assert f"use {new}={value}" in text and not (tmp_path / "run").exists()
+    assert moved_key(f"+{old}={value}") == moved_key(f"{old}={value}") and moved_key(f"{new}={value}") is None
 
 
 def _console(stdout: str) -> list[str]:

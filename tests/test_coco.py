@@ -184,7 +184,7 @@ def test_cli_refuses_bad_predictions_before_ranks(cli, tmp_path):
 @needs_coco
 def test_cli_replay_results_json(cli):
     proc, run_dir = cli("+experiment=coco_replay", f"data.annotations={GT}", f"data.predictions={RESULTS['segm']}",
-                        "eval.iou_type=segm", "dist.world_size=3")
+                        "eval.detection.iou_type=segm", "dist.world_size=3")
     assert proc.returncode == 0, proc.stderr
     res = load_results(run_dir)
     assert np.abs(np.array(_stats(res["metrics"])) - np.array(PUBLISHED["segm"])).max() <= 1e-10
@@ -278,7 +278,7 @@ def test_cli_segm_results_with_boxes_equal_pycocotools(cli, tmp_path):
     assert "bbox" in json.loads(dt_path.read_text())[0]
     want, _ = pycocotools_stats(gt_path, dt_path, "segm")
     proc, run_dir = cli("+experiment=coco_replay", f"data.annotations={gt_path}", f"data.predictions={dt_path}",
-                        "eval.iou_type=segm")
+                        "eval.detection.iou_type=segm")
     assert proc.returncode == 0, proc.stderr
     assert _stats(load_results(run_dir)["metrics"]) == want
 

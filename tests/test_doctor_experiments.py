@@ -20,7 +20,7 @@ from test_imagenet import _tree
 
 PROBED = {"coco_replay", "coco_keypoints_replay", "fashion_mnist_knn", "coco_semseg_replay", "fashion_mnist_shards"}
 SMALL_VIT = ("model.name=vit_tiny", "model.weights=null", "model.num_classes=3", "data.resize_size=32",
-             "data.crop_size=32", "data.batch_size=4", "eval.topk=[1,2]")
+             "data.crop_size=32", "data.batch_size=4", "eval.classification.topk=[1,2]")
 
 
 def _jobs(tmp: Path) -> dict[str, tuple[str, ...]]:

@@ -186,7 +186,7 @@ def test_decode_on_device_run_equals_host_decoding_at_every_world_size(cli, tmp_
     W=2 equal the host-decoded run's metrics bit for bit (same pixels on the CPU), recorded in compute."""
     root = sample_tree(tmp_path / "val", limit=6)  # 6 classes, one image each
     common = ["data=imagefolder", f"data.root={root}", "model=mobilenet_v2", "model.weights=null",
-              "model.num_classes=6", "data.batch_size=4", "data.num_workers=1", "eval.progress=false", "eval.topk=[1]"]
+              "model.num_classes=6", "data.batch_size=4", "data.num_workers=1", "eval.progress=false", "eval.classification.topk=[1]"]
     runs = {}
     for name, extra in (("host", ["dist.world_size=1"]), ("device1", ["dist.world_size=1", "data.decode_on_device=true"]),
                         ("device2", ["dist.world_size=2", "data.decode_on_device=true"])):

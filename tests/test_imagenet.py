@@ -32,7 +32,7 @@ def test_imagenet_vit_experiment_offline_small_vit(cli, tmp_path):
     torch.save(model.state_dict(), tmp_path / "vit.pt")
     proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.name=vit_tiny", "model.num_classes=3",
                         f"model.checkpoint={tmp_path / 'vit.pt'}", "data.resize_size=36", "data.crop_size=32",
-                        "eval.topk=[1,2]", "data.batch_size=4")
+                        "eval.classification.topk=[1,2]", "data.batch_size=4")
     assert proc.returncode == 0, proc.stderr
     res = load_results(run_dir)
     # independent single-process reference: torchvision's ImageFolder + the same eval transform, one pass
@@ -56,7 +56,7 @@ def test_corrupt_image_names_rank_sample_and_file(cli, tmp_path):
     torch.save(vit_tiny(num_classes=3, image_size=32).state_dict(), tmp_path / "vit.pt")
     proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.name=vit_tiny", "model.num_classes=3",
                         f"model.checkpoint={tmp_path / 'vit.pt'}", "data.resize_size=32", "data.crop_size=32",
-                        "eval.topk=[1]", "data.num_workers=2",  # the error crosses a DataLoader worker
+                        "eval.classification.topk=[1]", "data.num_workers=2",  # the error crosses a DataLoader worker
                         "data.batch_size=8")  # two global batches: rank 1 holds [8, 15)
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 1
@@ -71,7 +71,7 @@ def test_class_folders_must_match_model_and_inputs_must_fit(cli, tmp_path):
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "has 3 classes but the model vit_b_16 has 1000 outputs" in text
     proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={root}", "model.weights=null", "model.num_classes=3",
-                        "eval.topk=[1]", "data.crop_size=32")
+                        "eval.classification.topk=[1]", "data.crop_size=32")
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "data.crop_size: vit_b_16 cannot take the data's inputs of shape [3, 32, 32]" in text
     assert not (run_dir / "ranks").exists()

@@ -27,7 +27,7 @@ from reference import reference_metrics
 from test_imagenet import _tree
 
 VIT = ("+experiment=imagenet_vit", "model.name=vit_tiny", "model.num_classes=3", "data.resize_size=32",
-       "data.crop_size=32", "eval.topk=[1,2]", "data.batch_size=4")
+       "data.crop_size=32", "eval.classification.topk=[1,2]", "data.batch_size=4")
 
 
 def test_parallel_config_product_must_equal_world_size():

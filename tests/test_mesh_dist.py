@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from disteval.data import IndexedDataset
 from disteval.data.sharding import lockstep_plan
 from disteval.loop import ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics

@@ -202,7 +202,7 @@ def test_coco_replay_bit_identical_across_node_layouts(lab, tmp_path, iou_type):
     if not GT.exists():
         pytest.skip(f"COCO reference files not found under {COCO} (../shared/data)")
     job = ["+experiment=coco_replay", f"data.annotations={GT}", f"data.predictions={DT[iou_type]}",
-           f"eval.iou_type={iou_type}"]
+           f"eval.detection.iou_type={iou_type}"]
     proc = run_disteval(*job, "dist.world_size=1", run_dir=tmp_path / "w1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = load_results(tmp_path / "w1")["metrics"]

@@ -350,4 +350,4 @@ def test_live_lraspp_bit_identical_and_equal_to_its_saved_predictions(ranks, tmp
     task = SegmentationReplayTask(cfg)
     task.preflight([])
     assert _run(task.metric(), task.dataset(), 3) == base
-    assert OmegaConf.select(cfg, "eval.ignore_index") == IGNORE
+    assert OmegaConf.select(cfg, "eval.segmentation.ignore_index") == IGNORE

@@ -201,8 +201,8 @@ def check_detection_store(store: str | Path, annotations: str, iou_type: str) ->
     if manifest.get("task") not in ("detection", "replay"):
         raise DataError(f"{Path(store) / MANIFEST}: a {manifest.get('task')} store, not detections")
     if str(iou_type) != "bbox" or manifest["settings"].get("iou_type") != "bbox":
-        raise ConfigError("eval.iou_type", "a prediction store keeps boxes, not masks: re-score segm results from "
-                          "the run's COCO results files (ranks/rank*/predictions.json)")
+        raise ConfigError("eval.detection.iou_type", "a prediction store keeps boxes, not masks: re-score segm "
+                          "results from the run's COCO results files (ranks/rank*/predictions.json)")
     have = manifest["data"].get("annotations_sha256")
     if have != file_sha256(Path(annotations)):
         raise ConfigError("data.annotations", f"{annotations} is not the annotation file the store was scored "

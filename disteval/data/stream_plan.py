@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
-from disteval.common.ranges import batch_aligned_bounds, num_batches, shard_bounds
+from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 
 __all__ = ["ConsumerPlan", "ShardRange", "worker_spans", "locate", "plan_rank", "rank_bounds", "shard_ranges",
            "shard_starts"]

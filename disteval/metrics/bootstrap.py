@@ -1,8 +1,8 @@
 """Bootstrap confidence intervals over global sample ids (``eval.ci.*``), identical at every world size.
 
 Each rank computes per-sample statistics from its outputs (``per_sample``: correct@k for each k of
-``eval.topk``, the negative log-likelihood in float64, the target, the predicted class and its confidence, and
-for AUROC the softmax probabilities); rank 0 receives every rank's rows, orders them by
+``eval.classification.topk``, the negative log-likelihood in float64, the target, the predicted class and its
+confidence, and for AUROC the softmax probabilities); rank 0 receives every rank's rows, orders them by
 global sample id and resamples samples (``intervals``: ``scipy.stats.bootstrap``, percentile method, one
 seeded generator per metric, the same resamples for all). Means of one column (top-k, NLL) resample the
 column; macro F1, ECE and AUROC are recomputed from the resampled samples' rows (``interval_of``). The rows are functions of each sample's own outputs, which bitwise mode makes the
@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+CI_PROBS_MAX_CLASSES = 100  # the AUROC interval gathers N x C probabilities to rank 0: done up to this C
 
 
 @dataclass(frozen=True)

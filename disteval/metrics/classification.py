@@ -65,9 +65,9 @@ class ClassificationMetrics(Metric):
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         bad = [k for k in topk if not 1 <= k <= num_classes]
         if bad:
-            raise ValueError(f"eval.topk values {bad} outside [1, num_classes={num_classes}]")
+            raise ValueError(f"eval.classification.topk values {bad} outside [1, num_classes={num_classes}]")
         if ece_bins < 1:
-            raise ValueError(f"eval.ece_bins must be >= 1, got {ece_bins}")
+            raise ValueError(f"eval.classification.ece_bins must be >= 1, got {ece_bins}")
         self.num_classes = num_classes
         self.topk = tuple(int(k) for k in topk)
         self.ece_bins = ece_bins

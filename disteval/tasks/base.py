@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from disteval.common.formatting import fmt
 from disteval.errors import ConfigError
 from disteval.metrics.base import Metric
+from disteval.metrics.bootstrap import SampleColumns
 
 _REGISTRY: dict[str, type["Task"]] = {}
 
@@ -97,10 +98,16 @@ class Task(abc.ABC):
         ``prediction_schema`` is not None."""
         raise NotImplementedError(f"{type(self).__name__} declares a prediction schema but no columns")
 
+    def sample_columns(self) -> SampleColumns | None:
+        """What each sample keeps for the bootstrap intervals (``eval.ci.resamples`` > 0) when they come from
+        per-sample rows of logits (``disteval.metrics.bootstrap.per_sample``, gathered to rank 0 by the engine);
+        None (default): the task has no such rows (``confidence_intervals`` may give intervals instead)."""
+        return None
+
     def confidence_intervals(self, metric: Metric, resamples: int, level: float, seed: int) -> dict | None:
         """Bootstrap intervals (``eval.ci.resamples`` > 0) from the synchronised ``metric`` on rank 0, for a
-        task whose statistics are not per-sample logits (``logits_per_sample`` tasks get theirs from the
-        engine's per-sample rows): {metric: {low, high}, level, resamples, seed, method, samples}, identical at
+        task without per-sample rows (``sample_columns`` None; the others get theirs from the engine's
+        gathered rows): {metric: {low, high}, level, resamples, seed, method, samples}, identical at
         every world size. Default None: no intervals."""
         return None
 

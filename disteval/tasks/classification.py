@@ -13,6 +13,7 @@ from disteval.data.prediction_store import classification_columns, load_store, r
 from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
+from disteval.metrics.bootstrap import CI_PROBS_MAX_CLASSES, SampleColumns
 from disteval.models import build_model, preflight_model, resolve_num_classes
 from disteval.common.formatting import fmt
 from disteval.tasks.base import Task, register_task
@@ -68,9 +69,10 @@ class ClassificationTask(Task):
                               f"but the model {cfg.model.name} has {self.num_classes} outputs: labels would not line "
                               "up with the model's classes (an ImageFolder root must hold every class folder, e.g. "
                               "all 1000 ImageNet wnids)")
-        too_big = [k for k in cfg.eval.topk if k > self.num_classes]
+        too_big = [k for k in cfg.eval.classification.topk if k > self.num_classes]
         if too_big:
-            raise ConfigError("eval.topk", f"k={too_big} exceed the {self.num_classes} classes; e.g. eval.topk=[1]")
+            raise ConfigError("eval.classification.topk", f"k={too_big} exceed the {self.num_classes} classes; e.g. "
+                              "eval.classification.topk=[1]")
         preflight_model(cfg.model, self.num_classes, input_shape(cfg.data))
 
     def dataset(self):
@@ -93,8 +95,9 @@ class ClassificationTask(Task):
         return model(inputs.to(device, non_blocking=True)).float()
 
     def metric(self) -> MetricCollection:
-        families = {"classification": lambda: ClassificationMetrics(self.num_classes, topk=list(self.cfg.eval.topk),
-                                                                    ece_bins=self.cfg.eval.ece_bins),
+        opt = self.cfg.eval.classification
+        families = {"classification": lambda: ClassificationMetrics(self.num_classes, topk=list(opt.topk),
+                                                                    ece_bins=opt.ece_bins),
                     "ranking": lambda: RankingMetrics(self.num_classes)}
         return MetricCollection({name: families[name]() for name in self.cfg.eval.metrics})
 
@@ -121,6 +124,16 @@ class ClassificationTask(Task):
                          "labels=range(C), zero_division=0)")
         return rows, [], notes
 
+
+    def sample_columns(self) -> SampleColumns | None:
+        """Top-k (``eval.classification.topk``), NLL, macro F1, ECE (``ece_bins``), and the probabilities for the
+        AUROC when ``ranking`` is among the metrics and C <= ``CI_PROBS_MAX_CLASSES``; None for a store being
+        re-scored."""
+        if not self.logits_per_sample:
+            return None
+        opt, c = self.cfg.eval.classification, int(self.num_classes)
+        return SampleColumns(tuple(int(k) for k in opt.topk), c, int(opt.ece_bins),
+                             probs="ranking" in self.cfg.eval.metrics and c <= CI_PROBS_MAX_CLASSES)
 
     def prediction_schema(self):
         """Top-k ids and probabilities (``eval.predictions.topk``), the logits with ``eval.predictions.logits``
@@ -159,9 +172,9 @@ class PredictionReplayTask(ClassificationTask):
                               f"available: {list(FAMILIES)}")
         if not self.cfg.data.get("root"):
             raise ConfigError("data.root", "data.name=predictions needs data.root=STORE (a run's predictions/ folder)")
-        too_big = [k for k in self.cfg.eval.topk if k > self.num_classes]
+        too_big = [k for k in self.cfg.eval.classification.topk if k > self.num_classes]
         if too_big:
-            raise ConfigError("eval.topk", f"k={too_big} exceed the store's {self.num_classes} classes")
+            raise ConfigError("eval.classification.topk", f"k={too_big} exceed the store's {self.num_classes} classes")
 
     def dataset(self):
         dataset, manifest = load_store(self.cfg.data.root)

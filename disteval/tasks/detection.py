@@ -52,8 +52,8 @@ class _CocoTask(Task):
         cfg, d = self.cfg, self.cfg.data
         if not d.annotations:
             raise ConfigError("data.annotations", f"data.name={d.name} needs data.annotations=PATH (COCO JSON)")
-        if cfg.eval.iou_type not in ("bbox", "segm"):
-            raise ConfigError("eval.iou_type", f"must be bbox or segm, got {cfg.eval.iou_type!r}")
+        if cfg.eval.detection.iou_type not in ("bbox", "segm"):
+            raise ConfigError("eval.detection.iou_type", f"must be bbox or segm, got {cfg.eval.detection.iou_type!r}")
         if list(cfg.eval.metrics) != ["coco"]:
             raise ConfigError("eval.metrics", f"detection data takes eval.metrics=[coco], got {list(cfg.eval.metrics)}")
         self.gt  # parsed here so that a bad entry fails before any rank starts
@@ -71,7 +71,8 @@ class _CocoTask(Task):
         return metric.intervals(resamples, level, seed)
 
     def metric(self) -> CocoDetectionMetric:
-        return CocoDetectionMetric(self.gt, self.cfg.eval.iou_type, keep_predictions=bool(self.cfg.eval.save_predictions))
+        return CocoDetectionMetric(self.gt, self.cfg.eval.detection.iou_type,
+                                   keep_predictions=bool(self.cfg.eval.save_predictions))
 
     def collate_fn(self):
         return collate_images
@@ -122,8 +123,8 @@ class CocoDetectionTask(_CocoTask):
         cfg, d = self.cfg, self.cfg.data
         if not d.root or not Path(d.root).is_dir():
             raise ConfigError("data.root", f"data.name=coco needs data.root=DIR holding the images, got {d.root!r}")
-        if cfg.eval.iou_type != "bbox":
-            raise ConfigError("eval.iou_type", "live models are evaluated with iou_type bbox in this version")
+        if cfg.eval.detection.iou_type != "bbox":
+            raise ConfigError("eval.detection.iou_type", "live models are evaluated with iou_type bbox in this version")
         if cfg.model.name not in detection_models():
             raise ConfigError("model.name", f"{cfg.model.name!r} is not a torchvision detection model; "
                               f"available: {detection_models()}")
@@ -154,10 +155,11 @@ class CocoReplayTask(_CocoTask):
         if not self.cfg.data.predictions:
             raise ConfigError("data.predictions", "data.name=coco_replay needs data.predictions=PATH "
                               "(a COCO results JSON)")
+        iou_type = self.cfg.eval.detection.iou_type
         if Path(self.cfg.data.predictions).is_dir():  # a prediction store (python -m disteval.rescore)
-            check_detection_store(self.cfg.data.predictions, self.cfg.data.annotations, self.cfg.eval.iou_type)
+            check_detection_store(self.cfg.data.predictions, self.cfg.data.annotations, iou_type)
             return
-        if not len(load_detections(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type).score):
+        if not len(load_detections(self.cfg.data.predictions, self.gt, iou_type).score):
             notes.append(f"data.predictions={self.cfg.data.predictions} holds no detections: every AP and AR is 0 "
                          "(-1 where no ground truth exists); was the right results file passed?")
 
@@ -166,7 +168,7 @@ class CocoReplayTask(_CocoTask):
         (``disteval.data.coco_wire``); a malformed file raises the same DataError on every rank."""
         if Path(self.cfg.data.predictions).is_dir():
             return StoredDetections(self.cfg.data.predictions)
-        dets = load_detections_shared(self.cfg.data.predictions, self.gt, self.cfg.eval.iou_type, self.rank,
+        dets = load_detections_shared(self.cfg.data.predictions, self.gt, self.cfg.eval.detection.iou_type, self.rank,
                                       self.share)
         how = "parsed here" if self.rank == 0 or self.share is None else "received from rank 0"
         log.info("data.predictions: %d detections (%s)", len(dets.score), how)

@@ -210,7 +210,8 @@ class EmbeddingTask(Task):
 
     def metric(self):
         if self.protocol == "zero_shot":
-            return ClassificationMetrics(self.num_classes, topk=[k for k in self.cfg.eval.topk if k <= self.num_classes])
+            topk = [k for k in self.cfg.eval.classification.topk if k <= self.num_classes]
+            return ClassificationMetrics(self.num_classes, topk=topk)
         opt = self.opt
         searches = ["knn"] if self.protocol == "knn" else ["image_to_text", "text_to_image"]
         return EmbeddingMetrics(EmbeddingSpec(self.dim, searches, self.num_classes, list(opt.knn_k), list(opt.votes),

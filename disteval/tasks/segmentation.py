@@ -49,7 +49,7 @@ class _SegmentationTask(Task):
         return segmentation_schema(self.num_classes, bool(self.cfg.eval.predictions.label_maps))
 
     def prediction_columns(self, outputs, targets, ids):
-        return segmentation_columns(outputs, targets, ids, self.num_classes, self.cfg.eval.ignore_index,
+        return segmentation_columns(outputs, targets, ids, self.num_classes, self.cfg.eval.segmentation.ignore_index,
                                     bool(self.cfg.eval.predictions.label_maps))
 
     def confidence_intervals(self, metric, resamples, level, seed):
@@ -57,14 +57,14 @@ class _SegmentationTask(Task):
         return metric.intervals(resamples, level, seed)
 
     def metric(self) -> SegmentationMetrics:
-        return SegmentationMetrics(self.num_classes, self.cfg.eval.ignore_index,
+        return SegmentationMetrics(self.num_classes, self.cfg.eval.segmentation.ignore_index,
                                    keep_predictions=bool(self.cfg.eval.get("save_predictions")))
 
     def collate_fn(self):
         return collate_maps
 
     def describe(self) -> dict:
-        return {"num_classes": self.num_classes, "ignore_index": self.cfg.eval.ignore_index}
+        return {"num_classes": self.num_classes, "ignore_index": self.cfg.eval.segmentation.ignore_index}
 
     @classmethod
     def report_figures(cls, metrics: dict) -> list:
@@ -183,10 +183,11 @@ class SegmentationReplayTask(_SegmentationTask):
         self.dataset()  # every file named and parsed here, before any rank starts
 
     def dataset(self):
-        d, ignore = self.cfg.data, self.cfg.eval.ignore_index
+        d, ignore = self.cfg.data, self.cfg.eval.segmentation.ignore_index
         if self.gt is not None:
             if ignore is None:
-                raise ConfigError("eval.ignore_index", "COCO label maps paint crowd regions as ignore_index: set one")
+                raise ConfigError("eval.segmentation.ignore_index",
+                                  "COCO label maps paint crowd regions as ignore_index: set one")
             labels = CocoSemanticLabels(self.gt, ignore)
             preds = PaintedPredictions.from_coco(load_detections(d.predictions, self.gt, "segm"), self.gt)
             n = self.gt.num_images
