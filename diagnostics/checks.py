@@ -98,9 +98,11 @@ def shards_plan(run: Run, probes: dict | None) -> Finding:
     if bs:
         text += f", {min(batches)}..{max(batches)} batches of {bs}"
     empty = [r for r, s in enumerate(sizes) if s == 0]
-    if empty:
-        return Finding("SHARDS", "plan", "warn", text + f"; rank(s) {empty[:8]} hold no sample (W > N)", ev,
-                       Remedy([f"dist.world_size={max(1, n)}"], "no more ranks than samples"))
+    if empty:  # fewer ranks: as many as hold samples (whole global batches when aligned), times the TP degree
+        units = f"the {math.ceil(n / bs)} global batch(es) of {bs}" if aligned else f"the {n} sample(s)"
+        return Finding("SHARDS", "plan", "warn", text + f"; rank(s) {empty[:8]} hold no sample (W > {units})", ev,
+                       Remedy([f"dist.world_size={max(1, size - len(empty)) * tp}"],
+                              f"no more data-parallel ranks than {units}"))
     return Finding("SHARDS", "plan", "pass", text, ev)
 
 

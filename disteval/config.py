@@ -507,12 +507,14 @@ MOVED_KEYS = {"eval.topk": "eval.classification.topk", "eval.ece_bins": "eval.cl
 
 
 def moved_key(override: str) -> str | None:
-    """A message for a command-line ``override`` that sets a key of ``MOVED_KEYS`` (naming its new place),
-    else None."""
-    key, _, value = override.lstrip("+~").partition("=")
+    """A message for a command-line ``override`` that sets (or deletes, ``~``) a key of ``MOVED_KEYS``, naming
+    its new place and the override to use instead, else None."""
+    key, eq, value = override.lstrip("+~").partition("=")
     new = MOVED_KEYS.get(key)
-    return None if new is None else (f"{key} is now {new} (each task's options have a node of their own): "
-                                     f"use {new}={value}")
+    if new is None:
+        return None
+    instead = f"~{new}{eq}{value}" if override.startswith("~") else f"{new}={value}"
+    return f"{key}: moved to {new} (each task's options have a node of their own); use {instead}"
 
 
 @dataclass

@@ -340,9 +340,10 @@ def test_a_task_option_under_its_old_name_is_refused_naming_its_node(tmp_path, o
     value = {"eval.topk": "[1]", "eval.ece_bins": "10", "eval.iou_type": "segm", "eval.ignore_index": "0"}[old]
     proc = run_disteval(f"{old}={value}", run_dir=tmp_path / "run")
     text = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and f"configuration error {old} is now {new}" in text, text[-2000:]
+    assert proc.returncode == 2 and f"configuration error {old}: moved to {new}" in text, text[-2000:]
     assert f"use {new}={value}" in text and not (tmp_path / "run").exists()
     assert moved_key(f"+{old}={value}") == moved_key(f"{old}={value}") and moved_key(f"{new}={value}") is None
+    assert moved_key(f"~{old}").endswith(f"use ~{new}")
 
 
 def _console(stdout: str) -> list[str]:

@@ -460,3 +460,22 @@ def test_a_blamed_rank_that_waited_in_a_collective_is_not_the_culprit(tmp_path):
     code, report = doctor(run)
     v, _ = entry(report)
     assert (code, v["check"], v["culprit_rank"]) == (1, "timeout", 2) and "stopped" in v["finding"]
+
+
+@pytest.mark.parametrize("mode,batch,want", [("bitwise", 64, 1), ("bitwise", 16, 4), ("fast", 64, 3)])
+def test_ranks_without_samples_get_a_world_size_that_gives_each_some(mode, batch, want):
+    """N=64 over W=8 in whole global batches of 64 (bitwise mode) leaves ranks 1..7 empty: the remedy is the
+    number of ranks that hold samples (1), not N (which only fits sample-even shards). Computed by hand: batch 16
+    gives 4 batches (4 ranks); fast mode's sample-even shards of N=3 over W=8 leave 5 empty (3 ranks)."""
+    from omegaconf import OmegaConf
+
+    from diagnostics.checks import shards_plan
+    from diagnostics.evidence import Run
+
+    n = 3 if mode == "fast" else 64
+    run = Run(path=Path("run"), config=OmegaConf.create({"eval": {"mode": mode}, "data": {"batch_size": batch},
+                                                          "dist": {"world_size": 8}}),
+              results={"world_size": 8, "dataset": {"num_samples": n}, "sampler": "exact"})
+    finding = shards_plan(run, None)
+    assert finding.status == "warn" and "hold no sample" in finding.finding, finding.finding
+    assert finding.remedy.overrides == [f"dist.world_size={want}"], finding.remedy
