@@ -135,18 +135,25 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
     kept = _PERSISTENT.get(key)
     if kept is not None and kept[0] is dataset and spec.skip == 0:
         return kept[1], kept[2]
-    context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     workers = spec.num_workers > 0
     persistent = workers and spec.persistent_workers and spec.skip == 0
     loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
                         pin_memory=spec.pin_memory, persistent_workers=persistent,
                         prefetch_factor=spec.prefetch_factor if workers else None,
                         timeout=(spec.loader_timeout_s or 0) if workers else 0,
-                        multiprocessing_context=context, collate_fn=spec.collate_fn,
-                        worker_init_fn=functools.partial(die_with_rank, os.getpid()) if workers else None)
+                        collate_fn=spec.collate_fn, **_worker_processes(spec.num_workers))
     if persistent:
         _PERSISTENT[key] = (dataset, loader, sampler)
     return loader, sampler
+
+
+def _worker_processes(num_workers: int) -> dict:
+    """The DataLoader arguments of how its worker processes start and end: forked (spawned ones would re-import
+    torch, seconds each) and tied to this rank's life (``die_with_rank``); none without workers."""
+    if num_workers == 0:
+        return {"multiprocessing_context": None, "worker_init_fn": None}
+    fork = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    return {"multiprocessing_context": fork, "worker_init_fn": functools.partial(die_with_rank, os.getpid())}
 
 
 def die_with_rank(rank_pid: int, worker_id: int) -> None:
@@ -295,10 +302,8 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
     b = spec.batch_size if spec.aligned else None
     start, end = source.bounds(spec.world_size, spec.rank, b)
     stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, spec.skip)
-    context = "fork" if spec.num_workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
-                        multiprocessing_context=context,
-                        worker_init_fn=functools.partial(die_with_rank, os.getpid()) if spec.num_workers > 0 else None,
+                        **_worker_processes(spec.num_workers),
                         prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
                         timeout=(spec.loader_timeout_s or 0) if spec.num_workers > 0 else 0)
     first = (start + spec.skip) // spec.batch_size if spec.aligned else start

@@ -52,8 +52,6 @@ class _CocoTask(Task):
         cfg, d = self.cfg, self.cfg.data
         if not d.annotations:
             raise ConfigError("data.annotations", f"data.name={d.name} needs data.annotations=PATH (COCO JSON)")
-        if cfg.eval.detection.iou_type not in ("bbox", "segm"):
-            raise ConfigError("eval.detection.iou_type", f"must be bbox or segm, got {cfg.eval.detection.iou_type!r}")
         if list(cfg.eval.metrics) != ["coco"]:
             raise ConfigError("eval.metrics", f"detection data takes eval.metrics=[coco], got {list(cfg.eval.metrics)}")
         self.gt  # parsed here so that a bad entry fails before any rank starts
