@@ -33,11 +33,10 @@ def probe_entry(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
     """One probe rank (started by torch.distributed.elastic; env:// variables set)."""
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
     from disteval.comm import RankEnv, init_process_group
+    from disteval.config import job_config
 
-    cfg = OmegaConf.create(cfg_container)
+    cfg = job_config(cfg_container)  # typed and validated, as a rank of the run received it
     env = RankEnv.from_env()
     torch.set_num_threads(1)
     timeout = min(float(cfg.communication.timeout_s), 60.0)
@@ -105,7 +104,7 @@ def _task_probes(cfg, env) -> dict:
         FaultPlan(env.rank).on_model(model)
     collate = task.collate_fn() or default_collate
     bs = int(cfg.data.batch_size)
-    bitwise = str(cfg.eval.get("mode", "bitwise")) in ("bitwise", "Mode.bitwise")
+    bitwise = cfg.eval.mode == "bitwise"
     start, end = (batch_aligned_bounds(len(dataset), bs, env.world_size, env.rank) if bitwise
                   else shard_bounds(len(dataset), env.world_size, env.rank))
     idx = list(range(start, min(end, start + 2 * bs)))

@@ -14,6 +14,7 @@ import torch
 
 from disteval import precision as prec
 from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
+from disteval.config import JobConfig
 from disteval.errors import DiskFullError, DistevalError
 from disteval.comm.board import StoreBoard, detect_shared_filesystem
 from disteval.common import netif
@@ -63,7 +64,7 @@ def setup_logging(run_dir: str, rank: int) -> None:
     log.setLevel(logging.INFO)
 
 
-def open_records(cfg: Any, run_dir: str, env: RankEnv | None) -> RankContext:
+def open_records(cfg: JobConfig, run_dir: str, env: RankEnv | None) -> RankContext:
     """This rank's status.json and log. Raises DistevalError naming the folder when it cannot write them."""
     rank, world_size = (env.rank, env.world_size) if env else (0, 1)
     try:
@@ -200,8 +201,8 @@ def apply_compute_settings(ctx: RankContext) -> dict:
     determinism and cuDNN benchmark (off in bitwise mode); and the fast path's model_dtype (autocast),
     channels_last, compile (+ mode) and inference_mode (always: the loop runs under it). Returns the record."""
     cfg = ctx.cfg
-    mode = str(getattr(cfg.eval.mode, "value", cfg.eval.mode))
-    threads = cfg.dist.get("threads")
+    mode = str(cfg.eval.mode)
+    threads = cfg.dist.threads
     if threads is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if ctx.env is not None else 1
         threads = 1 if mode == "bitwise" else max(1, (os.cpu_count() or 1) // local)

@@ -26,7 +26,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from disteval import driverlog
 from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
-from disteval.config import DistevalConfig, conf_dir, moved_key, register_schemas
+from disteval.config import DistevalConfig, conf_dir, job_config, moved_key, register_schemas
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
                              RunInterrupted, SweepExit)
 from disteval import rundir
@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> int:
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
     if external_rank() in (None, 0) and leads_nodes(cfg):  # one run per run directory (disteval.rundir)
-        code = _claim(run_dir, bool(OmegaConf.select(cfg, "eval.overwrite", default=False)),
+        code = _claim(run_dir, bool(cfg.eval.overwrite),
                       SHARED_RECORDS if external else JOB_RECORDS)
         if code:
             return code
@@ -110,7 +110,7 @@ def _run_claimed(cfg: DictConfig, hc, run_dir: str, external: bool, launcher: st
     record = None
     if not external:  # the node that leads a multi-node launch writes launch.json, the others nodes/<host>/launch.json
         where = run_dir if leads_nodes(cfg) else os.path.join(run_dir, "nodes", socket.gethostname())
-        nodes = int(cfg.dist.get("nnodes") or 1)
+        nodes = int(cfg.dist.nnodes)
         os.makedirs(where, exist_ok=True)
         record = LaunchRecord(where, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),
                               overrides=list(hc.overrides.task), hydra_launcher=launcher or "basic",
@@ -143,7 +143,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         if external:  # a drill's kernel set (DISTEVAL_FAULTS cpu@R): before this rank's first kernel, the preflight's
             apply_at_start(RankEnv.from_env().rank)
         container = job_container(cfg)
-        job = OmegaConf.create(container)
+        job = job_config(container)  # what the ranks receive: the validated, typed JobConfig
         notes: list[str] = []
         if external and heterogeneous_policy(job) == "pin":
             preflight_without_kernels(job, notes)  # the rank's CPU kernel set stays free until it is pinned
@@ -167,7 +167,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         _err.print(f"[bold red]disteval: configuration error[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2, exc
     driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
-                                       1 if external else int(cfg.dist.get("nnodes") or 1)))
+                                       1 if external else int(cfg.dist.nnodes)))
     try:
         start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number

@@ -12,7 +12,7 @@ import math
 import os
 from datetime import datetime
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -52,7 +52,7 @@ def _at_least(key: str, value: Any, low: int, nullable: bool = False) -> None:
         raise ConfigError(key, f"must be an integer >= {low}{' or null' if nullable else ''}, got {value}")
 
 
-class ModelDtype(str, Enum):
+class ModelDtype(StrEnum):
     """Compute dtype of the model's forward pass (autocast); metric states never use it."""
 
     fp32 = "fp32"
@@ -60,7 +60,7 @@ class ModelDtype(str, Enum):
     fp16 = "fp16"
 
 
-class Backend(str, Enum):
+class Backend(StrEnum):
     """torch.distributed backend; ``auto`` = nccl when the ranks use CUDA devices, else gloo."""
 
     auto = "auto"
@@ -68,7 +68,7 @@ class Backend(str, Enum):
     nccl = "nccl"
 
 
-class Compression(str, Enum):
+class Compression(StrEnum):
     """Payload compression of gathered states (see ``disteval.comm.compression``)."""
 
     none = "none"
@@ -77,13 +77,13 @@ class Compression(str, Enum):
     bf16 = "bf16"
 
 
-class Device(str, Enum):
+class Device(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
 
 
-class Heterogeneous(str, Enum):
+class Heterogeneous(StrEnum):
     """``dist.heterogeneous``: what a fleet whose ranks compute different bits does (docs/metrics.md, Mixed hardware):
     ``warn`` runs and records the canary's measured drift (results.json ``canary``, a warning); ``refuse`` stops
     before the loop naming the ranks and nodes of each numeric class and the settings that differ; ``pin`` runs
@@ -95,7 +95,7 @@ class Heterogeneous(str, Enum):
     pin = "pin"
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """``eval.mode``: ``bitwise`` (default) makes results.json's metrics bit-identical at every world size
     (batch-aligned shards, a fixed thread count, order-independent float sums); ``fast`` keeps sample-even
     shards, shares the cores among local ranks and all-reduces float sums (exact counts, floats within
@@ -669,17 +669,49 @@ class DistevalConfig:
                                   "checkpoint for it")
 
 
+@dataclass
+class JobConfig(DistevalConfig):
+    """What a rank receives: the validated ``DistevalConfig`` plus what the driver found while checking it
+    (not settable on the command line: the Hydra schema is ``DistevalConfig``).
+
+    experiment_name: the ``+experiment=`` choice (``default`` without one). communication_profile: the
+    communication profile in force (``{"name", "device", "applied"}``, ``disteval.comm.profiles``) or None.
+    preflight_notes: the preflight's warnings, also written into results.json ``warnings``."""
+
+    experiment_name: str = "default"
+    communication_profile: Optional[Dict[str, Any]] = None
+    preflight_notes: List[str] = field(default_factory=list)
+
+
+def _schema_part(cfg: Any, schema: type) -> dict:
+    """The keys of ``schema`` in ``cfg`` (a DictConfig or dict) as plain values: a composed config may also
+    hold an unresolvable hydra node."""
+    container = {}
+    for key in schema.__dataclass_fields__:
+        if key in cfg:
+            value = cfg[key]
+            container[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return container
+
+
 def validated(cfg: Any) -> DistevalConfig:
     """The job config (a DictConfig or plain dict, extra driver keys ignored) as a validated
     ``DistevalConfig`` object. Raises ConfigError naming the key."""
-    container = {}
-    for key in DistevalConfig.__dataclass_fields__:
-        if key in cfg:  # only the schema's keys: a composed config may also hold an unresolvable hydra node
-            value = cfg[key]
-            container[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistevalConfig), container))
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistevalConfig), _schema_part(cfg, DistevalConfig)))
     obj.validate()
     return obj
+
+
+def job_config(cfg: Any) -> JobConfig:
+    """The job as its ranks receive it: ``cfg`` (the driver's job container, a plain dict or DictConfig with the
+    driver keys of ``JobConfig``) as a validated, typed ``JobConfig`` (enums as ``StrEnum`` members, lists and
+    dicts plain). Raises ConfigError naming the key."""
+    if isinstance(cfg, JobConfig):
+        return cfg
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), _schema_part(cfg, JobConfig)))
+    obj.validate()
+    return obj
+
 
 
 def run_name() -> str:

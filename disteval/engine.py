@@ -15,10 +15,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from disteval import model_set
@@ -32,6 +30,7 @@ from disteval.common.liveness import beat_interval, heartbeat_timeout, heartbeat
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.errors import ConfigError, CoverageError, NumericDriftError
 from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
+from disteval.config import JobConfig, job_config
 from disteval.config import heterogeneous_policy as policy
 from disteval.faults import FaultPlan, apply_at_start
 from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
@@ -133,7 +132,7 @@ class RankRun:
     def _store(self) -> PredictionHook | None:
         """The prediction store's hook (``eval.save_predictions=true`` for a task with a store schema,
         ``Task.prediction_schema``), else None."""
-        schema = self.task.prediction_schema() if self.ctx.cfg.eval.get("save_predictions") else None
+        schema = self.task.prediction_schema() if self.ctx.cfg.eval.save_predictions else None
         if schema is None:
             return None
         if self.members:
@@ -334,7 +333,7 @@ class RankRun:
             comm.set_timeout(float(cfg.communication.sync_timeout_s))
         t_sync = time.perf_counter()
         row = self._row(ev, progress)
-        if cfg.eval.get("save_predictions") and hasattr(ev.metric, "predictions"):
+        if cfg.eval.save_predictions and hasattr(ev.metric, "predictions"):
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "predictions.json", ev.metric.predictions())
         if cfg.eval.record_batches:
             log_ = dict(ev.batch_log(), schema_version=1, rank=ctx.rank, batch_size=int(cfg.data.batch_size),
@@ -483,7 +482,7 @@ class RankRun:
         """What the user should know although the run succeeded: the preflight's notes (an empty predictions
         file, ineffective settings, a rebuilt cache file), the task's (``Task.run_warnings``: zero embeddings)
         and ranks that had nothing to evaluate (W > N, or fewer global batches than ranks in bitwise mode)."""
-        out = [str(n) for n in (self.ctx.cfg.get("preflight_notes") or [])] + list(self.task.run_warnings())
+        out = [str(n) for n in self.ctx.cfg.preflight_notes] + list(self.task.run_warnings())
         malloc = allocator.summarize([r.get("allocator") for r in rows])
         if malloc and malloc.get("warning"):
             out.append(malloc["warning"])
@@ -552,7 +551,7 @@ def start_watchdog(ctx: RankContext, parent: int | None) -> Watchdog:
     return watchdog.start()
 
 
-def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
+def run_rank(cfg: JobConfig, run_dir: str, env: RankEnv | None, agree_run_dir: bool = False) -> dict | None:
     """One rank of ``python -m disteval``: process group, shard evaluation, synchronisation, and on rank 0
     the coverage check, results.json and the console report. Returns the results dict on rank 0.
 
@@ -562,6 +561,7 @@ def run_rank(cfg: Any, run_dir: str, env: RankEnv | None, agree_run_dir: bool = 
     for external launchers. Every exception is recorded in this rank's status.json (type, message,
     traceback) before it propagates."""
     apply_at_start(env.rank if env is not None else 0)  # a drill's kernel set: before this process's first kernel
+    cfg = job_config(cfg)  # already a JobConfig from every launcher; a job container is validated into one
     ctx = open_records(cfg, run_dir, env)
     parent = parent_to_watch(env is not None)
     watchdog = start_watchdog(ctx, parent)
@@ -603,7 +603,7 @@ def worker_entry(cfg_container: dict, run_dir: str) -> None:
     environment). ``cfg_container`` is the resolved job config as a plain dict."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     sys.stdout.reconfigure(line_buffering=True)
-    cfg = OmegaConf.create(cfg_container)
+    cfg = job_config(cfg_container)  # the validated, typed config (disteval.config.JobConfig)
     env = RankEnv.from_env()
     # across nodes every node's driver composed its own run directory: the ranks take rank 0's
     spans_nodes = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) < env.world_size

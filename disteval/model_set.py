@@ -24,7 +24,7 @@ RESULTS_DIR = "checkpoints"
 
 def members_of(cfg: Any) -> list[Member]:
     """The checkpoint set of the job (``model.checkpoints`` expanded), [] for a one-model job."""
-    return expand_checkpoints(cfg.model.get("checkpoints"))
+    return expand_checkpoints(cfg.model.checkpoints)
 
 
 def build_models(task: Task, members: list[Member], device: torch.device,

@@ -32,11 +32,8 @@ def dims_from_config(cfg: Any, world_size: int) -> ParallelDims | None:
     """``dist.parallel`` as ParallelDims for ``world_size`` ranks (``ParallelConfig.degrees``: both data-parallel
     degrees null -> dp_replicate = world_size / tp), or None when no degree is set (no mesh: plain data
     parallelism)."""
-    node = cfg.dist.get("parallel") if hasattr(cfg.dist, "get") else None
-    if not node or all(node.get(k) is None for k in ("dp_replicate", "dp_shard", "tp")):
-        return None
-    config = ParallelConfig(**{k: node.get(k) for k in ("dp_replicate", "dp_shard", "tp")})
-    return ParallelDims(*config.degrees(world_size))
+    node: ParallelConfig = cfg.dist.parallel
+    return ParallelDims(*node.degrees(world_size)) if node.enabled else None
 
 
 def parallel_model(model: nn.Module, groups: MeshGroups) -> nn.Module:

@@ -95,14 +95,14 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
     model, data = cfg.model, cfg.data
     manifest = {
         "schema_version": SCHEMA_VERSION, "task": identity["task"],
-        "model": {"name": model.get("name"), "weights": model.get("weights"), "checkpoint": model.get("checkpoint"),
+        "model": {"name": model.name, "weights": model.weights, "checkpoint": model.checkpoint,
                   "weights_digest": identity["weights_digest"]},
-        "data": {"name": data.get("name"), "split": data.get("split"), "num_samples": identity["num_samples"],
+        "data": {"name": data.name, "split": data.split, "num_samples": identity["num_samples"],
                  "preprocessing_digest": preprocessing_digest(data), "preprocessing": preprocessing_values(data),
                  **_annotations(data)},
-        "settings": {**({"iou_type": str(cfg.eval.detection.iou_type)} if data.get("annotations") else {}),
+        "settings": {**({"iou_type": str(cfg.eval.detection.iou_type)} if data.annotations else {}),
                      "topk": int(cfg.eval.predictions.topk), "logits": bool(cfg.eval.predictions.logits),
-                     "batch_size": int(data.batch_size), "mode": str(getattr(cfg.eval.mode, "value", cfg.eval.mode)),
+                     "batch_size": int(data.batch_size), "mode": str(cfg.eval.mode),
                      "model_dtype": str(cfg.precision.model_dtype), "num_classes": identity["num_classes"],
                      "metrics": [str(m) for m in cfg.eval.metrics],
                      "eval_topk": [int(k) for k in cfg.eval.classification.topk]},
@@ -116,7 +116,7 @@ def write_manifest(run_dir: str, cfg: Any, identity: dict, entries: list[dict]) 
 def _annotations(data: Any) -> dict:
     """{annotations, annotations_sha256} of a task whose ground truth is an annotation file (COCO), else {}:
     re-scoring checks that it scores against the same file."""
-    path = data.get("annotations")
+    path = data.annotations
     return {"annotations": str(Path(path).resolve()), "annotations_sha256": file_sha256(Path(path))} if path else {}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from disteval.common import netif
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
-from disteval.config import validated
+from disteval.config import JobConfig, job_config
 from disteval.errors import ConfigError, RendezvousError
 from disteval.models.builders import tp_split_problems, weights_plan
 from disteval.models.checkpoint_set import expand_checkpoints, with_checkpoint
@@ -19,10 +19,11 @@ from disteval.sync import SyncPolicy, check_sync_policy, sync_policy_notes
 from disteval.tasks import resolve_task
 
 
-def validate_config(cfg: Any) -> None:
+def validate_config(cfg: Any) -> JobConfig:
     """The schema's own checks (each config dataclass validates its fields, ``disteval.config``) and the
-    device/backend pair. Raises ConfigError naming the key."""
-    validated(cfg)
+    device/backend pair. ``cfg``: a ``JobConfig`` or a job container (dict or DictConfig). Returns the typed
+    ``JobConfig``. Raises ConfigError naming the key."""
+    cfg = job_config(cfg)
     device = resolve_device(cfg.dist.device, 0)
     if str(getattr(cfg.dist.device, "value", cfg.dist.device)) == "cuda" and not torch.cuda.is_available():
         raise ConfigError("dist.device", "cuda requested but torch.cuda.is_available() is False")
@@ -30,6 +31,7 @@ def validate_config(cfg: Any) -> None:
         resolve_backend(cfg.communication.backend, device)
     except ValueError as exc:
         raise ConfigError("communication.backend", str(exc)) from None
+    return cfg
 
 
 def check_rendezvous_address(addr: str, port: int) -> None:
@@ -64,7 +66,7 @@ def check_multi_node(cfg: Any) -> None:
         raise RendezvousError(socket.gethostname(), str(cfg.dist.rdzv_endpoint), "unreachable", 0.0,
                               f"no route to host {netif.resolve(host)} from this node (link down or a prohibit route)",
                               int(cfg.dist.nnodes))
-    problem = netif.loopback_hostname_error(host, cfg.dist.get("local_addr"))
+    problem = netif.loopback_hostname_error(host, cfg.dist.local_addr)
     if problem:
         raise ConfigError("dist.local_addr", problem)
 
@@ -74,8 +76,8 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
     Warnings for valid but ineffective settings are appended to ``notes``. Raises ConfigError, CheckpointError,
     DataError or RendezvousError."""
     notes = notes if notes is not None else []
-    validate_config(cfg)
-    if int(cfg.dist.get("nnodes") or 1) > 1 and not external_launch_detected():
+    cfg = validate_config(cfg)
+    if cfg.dist.nnodes > 1 and not external_launch_detected():
         check_multi_node(cfg)
     elif cfg.dist.world_size > 1 and not external_launch_detected():
         check_rendezvous_address(cfg.dist.master_addr, cfg.dist.master_port)
@@ -87,7 +89,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
     submitting host before anything is submitted): config values, fault drills, ``dist.parallel``, then the
     task's own (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
     metric. Warnings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
-    validate_config(cfg)
+    cfg = validate_config(cfg)
     try:
         world = int(os.environ["WORLD_SIZE"]) if external_launch_detected() else int(cfg.dist.world_size)
         check_fault_ranks(parse_faults(os.environ.get(FAULTS_ENV)), world)
@@ -97,7 +99,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
                           "normally)") from None
     check_parallel(cfg, notes)
     # model.checkpoints: the task's checks once per file (each must load into the architecture), notes once
-    for job in [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.get("checkpoints"))] or [cfg]:
+    for job in [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.checkpoints)] or [cfg]:
         seen = list(notes)
         resolve_task(job)(job).preflight(notes)
         notes[len(seen):] = [n for n in notes[len(seen):] if n not in seen]
@@ -116,22 +118,22 @@ def check_parallel(cfg: Any, notes: list[str]) -> None:
     and with tp > 1 an architecture whose plan splits it ``tp`` ways. A model without weights (random
     initialisation) is said in ``notes`` (results.json warnings and the console). Raises ConfigError naming
     the key."""
-    node = cfg.dist.get("parallel")
-    if not node or all(node.get(k) is None for k in ("dp_replicate", "dp_shard", "tp")):
+    cfg = job_config(cfg)
+    if not cfg.dist.parallel.enabled:
         return
     if resolve_task(cfg)(cfg).streamed:
         raise ConfigError("dist.parallel", f"data.name={cfg.data.name} is streamed from tar shards; a device mesh "
                           "needs a map-style dataset")
-    if cfg.eval.get("exclude_outlier_ranks"):
+    if cfg.eval.exclude_outlier_ranks:
         raise ConfigError("eval.exclude_outlier_ranks", "cannot leave ranks out under dist.parallel (a rank's "
                           "TP/FSDP peers share its shard)")
-    tp = int(node.get("tp") or 1)
-    if tp > 1 and cfg.model.get("name") is not None:
+    tp = cfg.dist.parallel.tp or 1
+    if tp > 1:
         problems = tp_split_problems(cfg.model, tp)
         if problems:
             raise ConfigError("dist.parallel.tp", f"model.name={cfg.model.name}: {'; '.join(problems)}")
-    if cfg.model.get("name") is not None and weights_plan(cfg.model)[0] == "random":
-        notes.append(f"model.name={cfg.model.name} runs with random initialisation (seed {cfg.get('seed', 0)}; no "
+    if weights_plan(cfg.model)[0] == "random":
+        notes.append(f"model.name={cfg.model.name} runs with random initialisation (seed {cfg.seed}; no "
                      "model.weights or model.checkpoint): the metrics measure the pipeline, not a trained model")
 
 

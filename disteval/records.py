@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from disteval.common.liveness import DRIVER_HEARTBEAT_S
 from disteval.common.netif import node_id
+from disteval.common.plain import plain
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
 from disteval.errors import DiskFullError
 
@@ -512,8 +512,7 @@ def json_safe(value: Any) -> Any:
 
 def config_digest(cfg: Any) -> str:
     """sha256 of the resolved job config (canonical JSON), identifying what was evaluated."""
-    container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
-    return "sha256:" + hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(json.dumps(plain(cfg), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def versions() -> dict:
@@ -591,10 +590,9 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
     warmup = max((p["seconds"]["warmup"] for p in per_rank), default=0.0)
     steady = max(((p["seconds"]["forward"] or 0.0) - p["seconds"]["warmup"] for p in per_rank), default=0.0)
     steady_samples = num_samples - sum(int(r.get("samples_warmup") or 0) for r in rows)
-    experiment = cfg.get("experiment_name") if hasattr(cfg, "get") else None
     return json_safe({
         "schema_version": SCHEMA_VERSION,
-        "experiment": experiment or "default",
+        "experiment": cfg.experiment_name,
         "run_dir": str(run["run_dir"]),
         "world_size": run["world_size"],
         "mode": run["compute"]["mode"],
@@ -609,9 +607,8 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         "timings": dict(run["timings"], forward=slowest),
         "throughput": {"images_per_s": steady_samples / steady if steady > 0 else None,
                        "warmup_s": warmup if warmup > 0 else None},
-        "comm": dict(run["comm"], backend=run["backend"], profile=_plain(cfg.get("communication_profile")),
-                     compression_mode=str(getattr(cfg.communication.compression, "value",
-                                                  cfg.communication.compression))),
+        "comm": dict(run["comm"], backend=run["backend"], profile=plain(cfg.communication_profile),
+                     compression_mode=str(cfg.communication.compression)),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
                       "deterministic": bool(run["compute"]["deterministic"]),
                       "cudnn_benchmark": bool(run["compute"]["cudnn_benchmark"])},
@@ -623,9 +620,6 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         **(extra or {}),
     })
 
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def write_results(run_dir: str, results: dict) -> Path:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from disteval.errors import DiskFullError, DistevalError
 from disteval.common import netif
@@ -218,9 +218,9 @@ def leads_nodes(cfg: DictConfig) -> bool:
     rendezvous (``dist.node_rank`` 0, or the node owning ``dist.rdzv_endpoint``'s address): that node claims the
     run directory and writes launch.json; the others only start their ranks (which agree on rank 0's run
     directory), so that nodes sharing a filesystem do not refuse each other's claim."""
-    if int(OmegaConf.select(cfg, "dist.nnodes", default=1) or 1) <= 1:
+    if cfg.dist.nnodes <= 1:
         return True
-    if cfg.dist.get("node_rank") is not None:
+    if cfg.dist.node_rank is not None:
         return int(cfg.dist.node_rank) == 0
     host = str(cfg.dist.rdzv_endpoint).rpartition(":")[0]
     return netif.resolve(host) in set(netif.interface_addresses().values())
@@ -236,7 +236,7 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         run_dir = str(config.hydra.run.dir)
-        overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
+        overwrite = bool(config.eval.overwrite)
         try:
             if external_rank() not in (None, 0):
                 _check_shared(run_dir, overwrite)
@@ -251,7 +251,7 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        overwrite = bool(OmegaConf.select(config, "eval.overwrite", default=False))
+        overwrite = bool(config.eval.overwrite)
         try:
             note = lock_run_dir(sweep)  # a second sweep into this directory is refused while this one runs
             if note:

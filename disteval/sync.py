@@ -48,10 +48,9 @@ class SyncPolicy:
     @classmethod
     def from_config(cls, comm_cfg: Any) -> "SyncPolicy":
         """From the ``communication`` config node."""
-        states = comm_cfg.get("compress_states")
-        return cls(str(getattr(comm_cfg.compression, "value", comm_cfg.compression)),
-                   None if states is None else [str(x) for x in states],
-                   comm_cfg.get("reduce_scatter_min_bytes"))
+        states = comm_cfg.compress_states
+        return cls(str(comm_cfg.compression), None if states is None else [str(x) for x in states],
+                   comm_cfg.reduce_scatter_min_bytes)
 
 
 @dataclass

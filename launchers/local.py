@@ -174,8 +174,8 @@ class Rendezvous:
     @classmethod
     def from_config(cls, dist_cfg: Any, timeout_s: float,
                     on_agent_stuck: Callable[[BaseException], None] | None = None) -> "Rendezvous":
-        return cls(int(dist_cfg.get("nnodes") or 1), dist_cfg.get("rdzv_endpoint"), dist_cfg.get("node_rank"),
-                   dist_cfg.get("local_addr"), float(timeout_s), on_agent_stuck)
+        return cls(int(dist_cfg.nnodes), dist_cfg.rdzv_endpoint, dist_cfg.node_rank, dist_cfg.local_addr,
+                   float(timeout_s), on_agent_stuck)
 
     @property
     def run_id(self) -> str:
@@ -332,7 +332,7 @@ def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_ag
             if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
                 exc.rank = 0
             raise
-    elif int(cfg.dist.get("nnodes") or 1) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
+    elif int(cfg.dist.nnodes) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
         launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
                      rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck))
     else:

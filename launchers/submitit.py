@@ -129,7 +129,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                 cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
             try:  # what is knowable up front fails here, before anything is submitted (the job's own faults first)
-                shape = job_shape(int(cfg.dist.world_size), cfg.dist.get("ranks_per_node"),
+                shape = job_shape(int(cfg.dist.world_size), cfg.dist.ranks_per_node,
                                   self.params.get("gpus_per_node"))
                 unfit = capacity.shape_problem(*shape, self.params.get("cpus_per_task")) if capacity else None
                 if unfit:

@@ -11,14 +11,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from disteval.bootstrap import apply_compute_settings, open_records
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
-from disteval.config import DistevalConfig
+from disteval.config import DistevalConfig, JobConfig, job_config
 from disteval.engine import RankRun
 
 
-def job(overrides: dict):
-    """A job config: the schema's defaults merged with ``overrides`` (nested dicts), as Hydra would compose."""
+def job(overrides: dict) -> JobConfig:
+    """A job config: the schema's defaults merged with ``overrides`` (nested dicts), as Hydra would compose, typed
+    and validated as a rank receives it (``disteval.config.job_config``)."""
     cfg = OmegaConf.merge(OmegaConf.structured(DistevalConfig), {"eval": {"progress": False}}, overrides)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return job_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 def run_engine_case(env: RankEnv, out_dir: str, name: str, overrides: dict) -> RankRun:

@@ -53,8 +53,7 @@ def test_tp_alone_leaves_the_rest_to_data_parallel_ranks():
     register_schemas()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         cfg = compose("config", ["+experiment=imagenet_vit_tp", "dist.world_size=4", "dist.parallel.tp=2"])
-    validated(cfg)
-    dims = dims_from_config(cfg, 4)
+    dims = dims_from_config(validated(cfg), 4)  # as a rank receives it: the typed config
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_size) == (2, 1, 2, 2)
     with pytest.raises(ConfigError, match=r"dist.world_size=5: the product must equal the world size \(with "
                                           r"dp_replicate and dp_shard null.*a multiple of 2"):

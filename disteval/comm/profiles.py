@@ -38,7 +38,7 @@ def apply_profile(container: dict, explicit: set[str], device: str | None = None
     ``{"name", "device", "applied": {key: value}}``, or None when no profile is in force."""
     comm = container["communication"]
     device = device or device_name()
-    chosen = select_profile(comm.get("profiles") or [], str(comm.get("profile", "none")), device)
+    chosen = select_profile(comm["profiles"] or [], str(comm["profile"]), device)
     if chosen is None:
         return None
     applied = {}

@@ -33,7 +33,7 @@ STREAMED = ("webdataset",)  # read as a stream of tar shards planned per rank (d
 
 def is_streamed(data: Any) -> bool:
     """Whether the ``data`` config names a streamed dataset (no random access: no device mesh, no canary)."""
-    return str(data.get("name")) in STREAMED
+    return str(data.name) in STREAMED
 DIGITS_TEST_FRACTION = 0.3
 _IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -281,7 +281,7 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
         base, num_classes = _digits(data.split), 10
     elif data.name == "fashion_mnist":
         base, num_classes = _fashion_mnist(data.root, data.split), 10
-    elif data.get("decode_on_device", False):  # bytes only: the step decodes on the model's device
+    elif data.decode_on_device:  # bytes only: the step decodes on the model's device
         base = EncodedImageFolder(data.root)
         num_classes = len(base.classes)
     else:

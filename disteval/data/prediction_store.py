@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from disteval.common.plain import plain
 from disteval.errors import ConfigError, DataError
 
 SCHEMA_VERSION = 1
@@ -50,8 +51,7 @@ def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: to
 def preprocessing_values(data_cfg: Any) -> dict:
     """The data settings in ``PREPROCESSING_KEYS`` as plain values (the manifest keeps them, so that a refusal
     names the setting that differs)."""
-    get = data_cfg.get if hasattr(data_cfg, "get") else (lambda k, d=None: getattr(data_cfg, k, d))
-    return json.loads(json.dumps({k: _plain(get(k, None)) for k in PREPROCESSING_KEYS}, default=str))
+    return json.loads(json.dumps({k: plain(getattr(data_cfg, k)) for k in PREPROCESSING_KEYS}, default=str))
 
 
 def preprocessing_digest(data_cfg: Any) -> str:
@@ -60,16 +60,6 @@ def preprocessing_digest(data_cfg: Any) -> str:
     values = preprocessing_values(data_cfg)
     return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    return getattr(value, "value", value)
 
 
 def file_sha256(path: Path) -> str:
@@ -100,7 +90,7 @@ def read_manifest(store: str | Path) -> dict:
 def check_identity(manifest: dict, data_cfg: Any, store: str | Path) -> None:
     """Raise ConfigError naming each difference between the store's data identity and the requested data
     (``data_cfg``: name, split, preprocessing): re-scoring predictions of other images is refused."""
-    want = {"name": data_cfg.get("name"), "split": data_cfg.get("split"),
+    want = {"name": data_cfg.name, "split": data_cfg.split,
             "preprocessing_digest": preprocessing_digest(data_cfg)}
     have = manifest.get("data") or {}
     diffs = [f"{k}: the store has {have.get(k)!r}, the job asks for {v!r}" for k, v in want.items() if have.get(k) != v]

@@ -74,7 +74,7 @@ def _urls(data: Any) -> list[str]:
         raise ConfigError("data.urls", "data=webdataset needs data.urls (a brace pattern or a list of shards)")
     urls = data.urls if isinstance(data.urls, str) else [str(u) for u in data.urls]
     try:
-        return expand_urls(urls, allow_pipe=bool(data.get("allow_pipe", False)))
+        return expand_urls(urls, allow_pipe=bool(data.allow_pipe))
     except DataError as exc:
         raise ConfigError("data.urls", str(exc)) from exc
 

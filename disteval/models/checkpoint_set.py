@@ -7,6 +7,7 @@ same order reach each network and its own metric states).
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -91,12 +92,9 @@ def expand_checkpoints(spec: Any) -> list[Member]:
 
 
 def with_checkpoint(cfg: Any, path: str) -> Any:
-    """A copy of the job config that evaluates the one checkpoint ``path`` (``model.checkpoint=path``,
-    ``model.checkpoints`` unset): what the member's own job would be."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    OmegaConf.update(out, "model.checkpoint", path, force_add=True)
-    OmegaConf.update(out, "model.checkpoints", None, force_add=True)
-    return out
+    """A copy of the job config (a ``disteval.config.JobConfig``) that evaluates the one checkpoint ``path``
+    (``model.checkpoint=path``, ``model.checkpoints`` unset): what the member's own job would be."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=path, checkpoints=None))
 
 
 class ModelSet(nn.Module):

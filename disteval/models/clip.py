@@ -30,7 +30,7 @@ def build_open_clip(model: Any, seed: int = 0) -> tuple[torch.nn.Module, Callabl
         raise ConfigError("model.weights", "open_clip models are built with random weights here (weights: null, "
                           "checkpoint: null): pretrained weights would be a download")
     torch.manual_seed(seed)
-    kwargs = {k: (dict(v) if hasattr(v, "items") else v) for k, v in dict(model.get("kwargs") or {}).items()}
+    kwargs = {k: (dict(v) if hasattr(v, "items") else v) for k, v in dict(model.kwargs or {}).items()}
     net = open_clip.create_model(arch, pretrained=None, **kwargs).eval()
     context = int(net.context_length) if hasattr(net, "context_length") else 77
     tok = open_clip.get_tokenizer(arch, context_length=context)

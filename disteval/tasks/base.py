@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from disteval.common.formatting import fmt
+from disteval.config import JobConfig, job_config
 from disteval.errors import ConfigError
 from disteval.metrics.base import Metric
 from disteval.metrics.bootstrap import SampleColumns
@@ -39,7 +40,9 @@ class Task(abc.ABC):
     rank_metric: ClassVar[str | None] = None
 
     def __init__(self, cfg: Any):
-        self.cfg = cfg
+        """``cfg``: the job's typed ``disteval.config.JobConfig`` (a job container, dict or DictConfig, is
+        validated into one: ConfigError naming the key)."""
+        self.cfg: JobConfig = job_config(cfg)
         self.rank = 0
         self.share: Callable[[bytes | None], bytes] | None = None
 
@@ -173,7 +176,7 @@ def resolve_task(cfg: Any) -> type[Task]:
     """The Task class of a job: ``eval.task`` = a registered name, ``package.module:ClassName`` (imported in
     every rank), or ``auto`` (the registered task whose ``data_names`` holds ``data.name``).
     Raises ConfigError naming ``eval.task`` or ``data.name``."""
-    choice = str(cfg.eval.get("task") or "auto")
+    choice = str(cfg.eval.task or "auto")
     if ":" in choice:
         module, _, attr = choice.partition(":")
         try:

@@ -38,7 +38,7 @@ class ClassificationTask(Task):
         self._num_classes: int | None = None
         data = cfg.data
         self._decoder = (DeviceDecoder(data.resize_size, data.crop_size, data.mean, data.std)
-                         if data.get("decode_on_device", False) else None)
+                         if data.decode_on_device else None)
 
     @property
     def num_classes(self) -> int:
@@ -170,7 +170,7 @@ class PredictionReplayTask(ClassificationTask):
         if unknown:
             raise ConfigError("eval.metrics", f"{unknown} are not metric families of classification predictions; "
                               f"available: {list(FAMILIES)}")
-        if not self.cfg.data.get("root"):
+        if not self.cfg.data.root:
             raise ConfigError("data.root", "data.name=predictions needs data.root=STORE (a run's predictions/ folder)")
         too_big = [k for k in self.cfg.eval.classification.topk if k > self.num_classes]
         if too_big:

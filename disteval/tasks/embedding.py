@@ -11,11 +11,11 @@ synchronisation sums. Zero-shot needs no search: logits against the class-name t
 classification metrics."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils.data import Dataset, TensorDataset
 
 from disteval.data.prediction_columns import classification_schema, embedding_columns, embedding_schema
@@ -117,9 +117,7 @@ class EmbeddingTask(Task):
                               f"{n_gallery['images']} images")
 
     def _split_cfg(self, split: str, limit: int | None) -> Any:
-        data = OmegaConf.to_container(self.cfg.data, resolve=True)
-        data.update(split=str(split), limit=limit)
-        return OmegaConf.create(data)
+        return dataclasses.replace(self.cfg.data, split=str(split), limit=limit)
 
     # -- data and model -------------------------------------------------------------------------------------
     def dataset(self) -> Dataset:

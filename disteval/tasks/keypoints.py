@@ -122,7 +122,7 @@ class KeypointTask(_KeypointTask):
         m = self.cfg.model
         torch.manual_seed(int(self.cfg.seed))
         weights = None if m.checkpoint or m.weights in (None, "", "none") else m.weights
-        extra = dict(m.get("kwargs") or {}, **({} if weights else {"num_classes": self.gt.num_categories + 1}))
+        extra = dict(m.kwargs or {}, **({} if weights else {"num_classes": self.gt.num_categories + 1}))
         net = detection.keypointrcnn_resnet50_fpn(weights=weights, weights_backbone=None,
                                                   num_keypoints=self.gt.num_parts, **extra)
         if m.checkpoint:

@@ -36,7 +36,7 @@ class _SegmentationTask(Task):
 
     @property
     def num_classes(self) -> int:
-        return int(self.cfg.model.get("num_classes") or self.cfg.data.get("num_classes") or VOC_CLASSES)
+        return int(self.cfg.model.num_classes or self.cfg.data.num_classes or VOC_CLASSES)
 
     def _check_common(self) -> None:
         if list(self.cfg.eval.metrics) != ["segmentation"]:
@@ -58,7 +58,7 @@ class _SegmentationTask(Task):
 
     def metric(self) -> SegmentationMetrics:
         return SegmentationMetrics(self.num_classes, self.cfg.eval.segmentation.ignore_index,
-                                   keep_predictions=bool(self.cfg.eval.get("save_predictions")))
+                                   keep_predictions=self.cfg.eval.save_predictions)
 
     def collate_fn(self):
         return collate_maps
