@@ -103,7 +103,7 @@ def _run_mode(mode: str, model, dataset, task, env, max_batches: int) -> dict:
 def bench_worker(job: dict, repeats: int) -> dict:
     """One rank: load data and model, then ``repeats`` rounds of both modes. Returns {mode: [round dicts],
     "num_samples", "max_batches"}."""
-    from omegaconf import OmegaConf
+    from disteval.config import job_config
 
     from disteval.comm import RankEnv, destroy_process_group, init_process_group
     from disteval.common.ranges import num_batches
@@ -111,7 +111,7 @@ def bench_worker(job: dict, repeats: int) -> dict:
     from disteval.models import build_model, resolve_num_classes
     from disteval.tasks import resolve_task
 
-    cfg = OmegaConf.create(job)
+    cfg = job_config(job)  # typed and validated, as a rank of python -m disteval receives it
     env = RankEnv.from_env()
     torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // env.world_size))
     init_process_group("gloo", 300, env)

@@ -202,12 +202,12 @@ def child(args) -> None:
     process can otherwise be several percent faster or slower than the next. Writes a JSON record."""
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
+    from disteval.config import job_config
 
     torch.set_num_threads(args.threads)
     methods = args.child.split(",")
     job = json.loads(Path(args.job).read_text())
-    cfg = OmegaConf.create(job)
+    cfg = job_config(job)  # typed and validated, as a rank of python -m disteval receives it
     rank, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     record: dict = {"methods": {m: {"seconds": [], "results": [], "minflt": 0} for m in methods}, "rank": rank,
                     "world_size": w, "allocator": allocator_in_force()}

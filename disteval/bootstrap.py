@@ -14,7 +14,7 @@ import torch
 
 from disteval import precision as prec
 from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
-from disteval.config import JobConfig
+from disteval.config import JobConfig, job_config
 from disteval.errors import DiskFullError, DistevalError
 from disteval.comm.board import StoreBoard, detect_shared_filesystem
 from disteval.common import netif
@@ -65,7 +65,10 @@ def setup_logging(run_dir: str, rank: int) -> None:
 
 
 def open_records(cfg: JobConfig, run_dir: str, env: RankEnv | None) -> RankContext:
-    """This rank's status.json and log. Raises DistevalError naming the folder when it cannot write them."""
+    """This rank's status.json and log, and its context holding the typed job config (a job container, dict or
+    DictConfig, is validated into a ``JobConfig``: ConfigError naming the key). Raises DistevalError naming the
+    folder when it cannot write the records."""
+    cfg = job_config(cfg)
     rank, world_size = (env.rank, env.world_size) if env else (0, 1)
     try:
         status = StatusWriter(run_dir, rank, world_size, interval_s=float(cfg.eval.status_interval_s))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conftest import rank_status, run_disteval, wait_for
+from inline_run import as_process
 
 QUICK = ("eval.progress=false", "data.batch_size=16")
 PROCESS_FLAGS = ("--probe", "--apply")  # the doctor starts ranks for these: a process of its own
@@ -30,20 +31,6 @@ PROCESS_FLAGS = ("--probe", "--apply")  # the doctor starts ranks for these: a p
 
 def needs_process(argv: list[str]) -> bool:
     return any(a.split("=")[0] in PROCESS_FLAGS for a in argv)
-
-
-@contextlib.contextmanager
-def _as_process(cwd: Path, env: dict | None):
-    """This process's working directory and environment as a child's would be, restored afterwards."""
-    old_cwd, old_env = os.getcwd(), dict(os.environ)
-    os.chdir(cwd)
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(old_env)
 
 
 def diagnostics_cli(argv: list[str], cwd: Path, env: dict | None = None,
@@ -56,7 +43,7 @@ def diagnostics_cli(argv: list[str], cwd: Path, env: dict | None = None,
     from diagnostics.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with _as_process(cwd, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with as_process(cwd, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main(list(argv))
             code = 0

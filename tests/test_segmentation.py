@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from bitwise_workers import engine_cases_worker, job, load_metrics
 from disteval.errors import ConfigError, DataError
@@ -350,4 +349,4 @@ def test_live_lraspp_bit_identical_and_equal_to_its_saved_predictions(ranks, tmp
     task = SegmentationReplayTask(cfg)
     task.preflight([])
     assert _run(task.metric(), task.dataset(), 3) == base
-    assert OmegaConf.select(cfg, "eval.segmentation.ignore_index") == IGNORE
+    assert cfg.eval.segmentation.ignore_index == IGNORE
