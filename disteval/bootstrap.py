@@ -8,7 +8,6 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,9 +25,9 @@ log.propagate = False
 
 @dataclass
 class RankContext:
-    """Everything a rank's run needs about where and how it runs."""
+    """Everything a rank's run needs about where and how it runs; ``cfg``: the job's typed ``JobConfig``."""
 
-    cfg: Any
+    cfg: JobConfig
     run_dir: str
     rank: int
     world_size: int

@@ -66,7 +66,7 @@ def _process_state_kept():
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
     log_state = {id(lg): (lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers
                  if isinstance(lg, logging.Logger)}
-    argv = list(sys.argv)
+    argv, env = list(sys.argv), dict(os.environ)
     try:
         yield
     finally:
@@ -88,6 +88,8 @@ def _process_state_kept():
                 _, hs, lg.level, lg.propagate, lg.disabled = before
                 lg.handlers[:] = hs
         sys.argv = argv
+        os.environ.clear()  # last: torch's switches above import modules that set variables (TORCHINDUCTOR_CACHE_DIR)
+        os.environ.update(env)
         cli._composed, cli._failed_sweep, rundir.refused_with = False, None, None
 
 
