@@ -12,8 +12,9 @@ waiting rank keeps doing and a stopped or dead one does not. The same thread
   matter) is the culprit of a stall. This rank records a ``PeerFailedError`` that ``blames`` it, with the
   evidence (its phase, the collective it was in, how stale), and exits, so that the launcher stops the run
   within about one timeout instead of the final synchronisation's longer one;
-- watches the driver (``python -m disteval``'s process, or torchrun's agent): when it is gone (the rank was
-  re-parented), the rank records a ``DriverDiedError`` and exits, so no rank outlives a killed driver.
+- watches the driver (``python -m disteval``'s process, or torchrun's agent): when it is gone (its process
+  ended, or the rank was re-parented: ``launcher_gone``), the rank records a ``DriverDiedError`` and exits, so
+  no rank outlives a killed driver.
 
 Exiting from a thread uses ``os._exit`` after the record is written: the main thread may be blocked inside a
 collective that nothing else can interrupt.
@@ -27,6 +28,7 @@ import threading
 import time
 from typing import Callable
 
+from disteval.common.liveness import LAUNCHER_PID_ENV
 from disteval.errors import DistevalError
 from disteval.peers import PeerFailedError
 from disteval.records import StatusWriter, pid_alive, read_status
@@ -94,7 +96,7 @@ class Watchdog:
 
     def check(self) -> None:
         """Raise DriverDiedError or StalledPeerError (see the module docstring)."""
-        if self.parent_pid and (os.getppid() != self.parent_pid or not pid_alive(self.parent_pid)):
+        if self.parent_pid and launcher_gone(self.parent_pid):
             raise DriverDiedError(f"the process that launched rank {self.rank} (pid {self.parent_pid}) is gone "
                                   f"(killed or crashed): rank {self.rank} stops itself; no results are written")
         now = time.monotonic()
@@ -133,28 +135,40 @@ class Watchdog:
 
 
 def parent_to_watch(launched: bool) -> int | None:
-    """The launcher process to watch for a rank started by one (``launched``): its parent, i.e. ``python -m
-    disteval``'s driver, torchrun's agent or srun's step daemon. None for
-    a single process without a launcher, or when the parent is already init (the launcher died before)."""
+    """The launcher process to watch for a rank started by one (``launched``): ``python -m disteval``'s driver
+    (named by ``DISTEVAL_LAUNCHER_PID``: its ranks are forks of its fork server), else the rank's parent, i.e.
+    torchrun's agent or srun's step daemon. None for a single process without a launcher, or when the parent is
+    already init (the launcher died before)."""
     if not launched:
         return None
+    named = os.environ.get(LAUNCHER_PID_ENV, "")
+    if named.isdigit() and int(named) not in (os.getpid(), 0):
+        return int(named)
     ppid = os.getppid()
     return ppid if ppid > 1 else None
 
 
+def launcher_gone(pid: int) -> bool:
+    """Whether the launcher ``pid`` (from ``parent_to_watch``) is gone: its process ended (a zombie counts), or,
+    when it was this rank's parent, this rank was re-parented (the pid may already belong to another process)."""
+    named = os.environ.get(LAUNCHER_PID_ENV) == str(pid)
+    return not pid_alive(pid) or (not named and os.getppid() != pid)
+
+
 def record_driver_death(parent_pid: int | None) -> None:
-    """Make SIGINT raise DriverDiedError when this rank's launcher is gone. torch's spawn start asks the kernel
-    to send a rank SIGINT when its parent dies (PR_SET_PDEATHSIG), so a killed driver reaches the rank as an
-    interrupt; it is then recorded as what it is, and later SIGINTs are ignored (the kernel sends one per exiting
+    """Make SIGINT raise DriverDiedError when this rank's launcher is gone. torch's process start asks the kernel
+    to send a rank SIGINT when its parent dies (PR_SET_PDEATHSIG), so a killed torchrun agent reaches the rank
+    as an interrupt (a disteval driver's ranks are children of its fork server, which outlives the driver: their
+    watchdog notices instead); it is then recorded as what it is, and later SIGINTs are ignored (the kernel sends one per exiting
     thread of the launcher). A SIGINT with the launcher alive stays a KeyboardInterrupt. Main thread only."""
     if not parent_pid:
         return
 
     def handler(signum, frame):
         deadline = time.monotonic() + 0.5  # the signal can arrive before the kernel re-parents this rank
-        while os.getppid() == parent_pid and pid_alive(parent_pid) and time.monotonic() < deadline:
+        while not launcher_gone(parent_pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if os.getppid() != parent_pid or not pid_alive(parent_pid):
+        if launcher_gone(parent_pid):
             # The kernel sends PDEATHSIG each time this rank is re-parented, i.e. once per exiting thread of the
             # dying launcher: a second SIGINT milliseconds later would raise again inside the except block that
             # records this error, and the rank would die with no record. One is enough.

@@ -449,8 +449,10 @@ def test_a_blamed_rank_that_waited_in_a_collective_is_not_the_culprit(tmp_path):
     from launchers.culprit import culprit_from_records
 
     run = tmp_path / "stop2"
-    proc = run_disteval(*QUICK, "dist.world_size=3", "communication.timeout_s=4", run_dir=run,
-                        env={"DISTEVAL_FAULTS": "stop@2:batch=1"})
+    # rank 0's watchdog (3 s without rank 2's heartbeat) records its error before rank 1's collective times out
+    # (10 s) and the launcher stops rank 0 inside its own collective, where it records nothing
+    proc = run_disteval(*QUICK, "dist.world_size=3", "communication.timeout_s=10", "dist.heartbeat_timeout_s=3",
+                        run_dir=run, env={"DISTEVAL_FAULTS": "stop@2:batch=1"})
     assert proc.returncode == 1
     waiting = _status(run, 1)
     assert waiting["in_collective"] and waiting["t_heartbeat"] >= _status(run, 2)["t_heartbeat"] + 2

@@ -28,6 +28,8 @@ LAG_FLOOR_S = 2.0          # the least lag between two records' heartbeats that 
 STALE_FLOOR_S = 10.0       # the least age of a heartbeat that a later reader calls stale
 RANK_HEARTBEAT_S = 1.0     # a rank's beat period when its record does not say
 DRIVER_HEARTBEAT_S = 2.0   # launch.json's beat period when the record does not say
+LAUNCHER_PID_ENV = "DISTEVAL_LAUNCHER_PID"  # the driver's pid, for ranks it forked through a fork server (their
+                                           # parent is that server, not the driver: ``launchers.local.fork_server``)
 WORKER_STOP_S = 5.0        # torch's MP_STATUS_CHECK_INTERVAL: a rank whose loader timed out waits this long for its
                            # stuck worker to stop before its DataError propagates and is recorded
 
