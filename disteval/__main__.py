@@ -2,7 +2,8 @@
 that submitit can pickle it by reference).
 
 The first console line goes out before torch and Hydra load (seconds); nothing heavy is imported at module
-level, because every rank spawned by the local launcher re-imports this module (as ``__mp_main__``)."""
+level, because a process started with multiprocessing's spawn method re-imports this module (as
+``__mp_main__``; the local launcher's ranks are forks of a fork server, which does not)."""
 
 
 def entry() -> None:

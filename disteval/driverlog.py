@@ -61,8 +61,8 @@ def launching(external: bool, world_size: int, allocator: Any = None, nnodes: in
     if world_size == 1 and not (allocator is not None and allocator.changes_env):
         return "checks passed; evaluating in this process (world size 1)"
     malloc = f", malloc {allocator.name}" if allocator is not None and allocator.changes_env else ""
-    return (f"checks passed; starting {world_size} local rank{'s' if world_size > 1 else ''}{malloc} (each "
-            "imports torch, then joins the process group)")
+    return (f"checks passed; starting {world_size} local rank{'s' if world_size > 1 else ''}{malloc} (forks of "
+            "one process that imports torch once; then they join the process group)")
 
 
 def _timings(run_dir: str) -> dict:
