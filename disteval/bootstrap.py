@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ import torch
 from disteval import precision as prec
 from disteval.comm import Communicator, RankEnv, init_process_group, resolve_backend, resolve_device
 from disteval.config import JobConfig, job_config
-from disteval.errors import DiskFullError, DistevalError
+from disteval.errors import DiskFullError, DistevalError, RankDiedError
 from disteval.comm.board import StoreBoard, detect_shared_filesystem
 from disteval.common import netif
-from disteval.records import StatusWriter, config_digest, rank_dir, read_status
+from disteval.common.liveness import beat_lag
+from disteval.records import (StatusWriter, config_digest, error_record, is_network_error, pid_alive, rank_dir,
+                              read_status, recorded_progress, relay_records, zombie_exit)
 
 log = logging.getLogger("disteval.rank")  # to RUN_DIR/ranks/rank{r}/log.txt only (not the console)
 log.propagate = False
@@ -48,6 +51,76 @@ class RankContext:
         if self.board is None or self.filesystem == "shared":
             return read_status(self.run_dir, rank)
         return self.board.read(rank)
+
+    def share_failure(self) -> None:
+        """After this rank recorded its failure, on a run whose nodes do not share the run directory: put the
+        record in the rendezvous store now (the sending thread may not get to it before the process ends),
+        waiting at most the store's operation timeout (a cut-off store never answers). When the error is a
+        consequence of a peer's (a network error: a rank that raised or was killed ends the others' collectives
+        within milliseconds, before its last records reach the store) or blames such a rank: first
+        ``_report_dead_neighbours``, then copy the other nodes' records into this node's run directory until one
+        of them records a failure of its own or ``beat_lag`` seconds pass (the launcher usually stops this rank
+        sooner), so that this node's driver and doctor name the rank that failed first. Never raises."""
+        if self.board is None or self.filesystem == "shared" or not self.net:
+            return
+        record = dict(self.status.record)
+        if not (self._send_now(record) and _quietly(self._a_consequence, record.get("error"))):
+            return  # no store to tell or read, or this rank's error is its own
+        log.info("a consequence of another rank's failure: reporting this node's dead ranks, relaying the others")
+        _quietly(self._report_dead_neighbours)
+        _quietly(self._relay_until_the_cause)
+
+    def _a_consequence(self, error: dict | None) -> bool:
+        """A network error, or a ``PeerFailedError`` blaming a rank whose own record holds a network error."""
+        if is_network_error(error):
+            return True
+        blamed = (error or {}).get("blames")
+        return blamed is not None and is_network_error((self.board.read(int(blamed)) or {}).get("error"))
+
+    def _send_now(self, record: dict, rank: int | None = None) -> bool:
+        """``record`` in the store, waiting at most its operation timeout; False when the store did not answer."""
+        sender = threading.Thread(target=_quietly, args=(self.board.publish_now, record, rank), daemon=True)
+        sender.start()
+        sender.join(self.board.op_timeout_s)
+        return not sender.is_alive()
+
+    def _report_dead_neighbours(self) -> None:
+        """For each rank of this node whose record here is unfinished and whose process is gone (this node's
+        pids: its record's ``node``), put in the store its record marked failed with a ``RankDiedError`` saying
+        so: it could not, and the other nodes see only what it published before it died."""
+        node = self.net.get("node")
+        for r in range(self.world_size):
+            s = read_status(self.run_dir, r) if r != self.rank else None
+            if not s or s.get("relayed") or s.get("node") != node or s.get("phase") in ("done", "failed") \
+                    or not s.get("pid") or pid_alive(s["pid"]):
+                continue
+            how = zombie_exit(int(s["pid"])) or "is gone"
+            error = error_record(RankDiedError(
+                f"rank {r} stopped without recording an error: its process (pid {s['pid']}) {how}, in "
+                f"{recorded_progress(s)}; seen by rank {self.rank} on the same node ({s.get('host') or node})"))
+            self._send_now(dict(s, phase="failed", error=error, t_update=time.time(), reported_by=self.rank), r)
+            log.info("reported rank %d as dead (pid %s %s) in the rendezvous store", r, s["pid"], how)
+
+    def _relay_until_the_cause(self) -> None:
+        node = self.net.get("node")
+        self.board.watched = list(range(self.world_size))
+        deadline = time.monotonic() + beat_lag(None)
+        while True:
+            time.sleep(self.board.poll_s)  # the reading thread's next pass
+            records = [self.board.read(r) for r in range(self.world_size)]
+            relay_records(self.run_dir, records, node)
+            if time.monotonic() >= deadline or any(
+                    s and s.get("node") != node and s.get("phase") == "failed" and not is_network_error(s.get("error"))
+                    for s in records):
+                return
+
+
+def _quietly(fn, *args):
+    """``fn(*args)``, or None when it raises (evidence only: the rank's own file record stands)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def setup_logging(run_dir: str, rank: int) -> None:
@@ -94,7 +167,7 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
     ctx.net = _network(env)
     init_process_group(ctx.backend, cfg.communication.timeout_s, env)
     ctx.status.update(force=True, joined=time.time())
-    cc, status = cfg.communication, ctx.status
+    cc = cfg.communication
     ctx.comm = Communicator("cpu" if ctx.backend == "gloo" else ctx.device,
                             on_collective=lambda op, n, info: _collective_started(ctx, op, n, info),
                             async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,

@@ -591,6 +591,7 @@ def run_rank(cfg: JobConfig, run_dir: str, env: RankEnv | None, agree_run_dir: b
         watchdog.stop()
         ctx.status.fail(exc)
         log.exception("rank %d failed", ctx.rank)
+        ctx.share_failure()
         raise
     finally:
         watchdog.stop()

@@ -40,6 +40,12 @@ class RankFailedError(DistevalError):
         super().__init__(message)
 
 
+class RankDiedError(DistevalError):
+    """A rank's process ended without recording an error (killed, crashed). Recorded on its behalf, in the
+    rendezvous store, by a rank on the same node that saw its process gone (``RankContext.share_failure``), so
+    that the other nodes of a run without a shared run directory can name it."""
+
+
 class RunInterrupted(DistevalError):
     """The driver received SIGINT/SIGTERM/SIGHUP; every rank was stopped. ``signal_name`` e.g. "SIGINT"."""
 

@@ -148,8 +148,9 @@ def relay_records(run_dir: str | os.PathLike, records: list[dict | None], my_nod
     """Copy the records of ranks on other nodes (as read from the rendezvous store) into this node's run
     directory as ``ranks/rank{r}/status.json`` with ``relayed: true``, so that the launcher, the doctor and a
     person on this node see every rank without a shared filesystem. A rank's own file is never overwritten;
-    a relayed copy is rewritten only when the record changed. Returns the ranks written. Never raises OSError
-    (the relay is evidence, not the run's work)."""
+    a relayed copy is rewritten only by a newer record (``t_update``: several ranks of a node relay, each from
+    its own, possibly older, read of the store). Returns the ranks written. Never raises OSError (the relay is
+    evidence, not the run's work)."""
     written = []
     for r, s in enumerate(records):
         if not s or s.get("node") == my_node:
@@ -159,7 +160,8 @@ def relay_records(run_dir: str | os.PathLike, records: list[dict | None], my_nod
             old = json.loads(path.read_text()) if path.exists() else None
         except (OSError, ValueError):
             old = None
-        if old is not None and (not old.get("relayed") or old.get("t_update") == s.get("t_update")):
+        if old is not None and (not old.get("relayed") or
+                                float(old.get("t_update") or 0.0) >= float(s.get("t_update") or 0.0)):
             continue
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

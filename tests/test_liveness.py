@@ -65,3 +65,24 @@ def test_one_heartbeat_rule():
              for p in (REPO / pkg).rglob("*.py") if p.name != "liveness.py" or "common" not in p.parts
              for i, line in enumerate(p.read_text().splitlines(), 1) if rule.search(line)]
     assert not found, found
+
+
+def test_a_relayed_record_is_replaced_only_by_a_newer_one(tmp_path):
+    """Several ranks of a node relay the other nodes' records, each from its own read of the rendezvous store: an
+    older read (rank 2 still in 'forward') must not replace the copy of its 'failed' record that another rank
+    relayed first, and a rank's own file is never replaced."""
+    from disteval.records import read_status, relay_records, status_path
+
+    failed = {"rank": 2, "node": "n2", "phase": "failed", "t_update": 20.0, "error": {"type": "RuntimeError"}}
+    older = {"rank": 2, "node": "n2", "phase": "forward", "t_update": 10.0}
+    assert relay_records(tmp_path, [None, None, failed], "n1") == [2]
+    assert relay_records(tmp_path, [None, None, older], "n1") == []
+    kept = read_status(tmp_path, 2)
+    assert (kept["phase"], kept["relayed"]) == ("failed", True)
+    newer = dict(failed, t_update=30.0)
+    assert relay_records(tmp_path, [None, None, newer], "n1") == [2]
+    assert read_status(tmp_path, 2)["t_update"] == 30.0
+    status_path(tmp_path, 0).parent.mkdir(parents=True)
+    status_path(tmp_path, 0).write_text('{"rank": 0, "node": "n1", "phase": "forward", "t_update": 1.0}')
+    assert relay_records(tmp_path, [dict(older, rank=0, node="n2", t_update=99.0)], "n1") == []
+    assert read_status(tmp_path, 0)["t_update"] == 1.0

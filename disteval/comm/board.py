@@ -69,11 +69,12 @@ class StoreBoard:
             self._latest = record
             self._wake.notify()
 
-    def publish_now(self, record: dict) -> None:
+    def publish_now(self, record: dict, rank: int | None = None) -> None:
         """Put ``record`` in the store from this thread and wait for the store's answer (a ``set`` alone is
         not acknowledged: into a silent partition it would seem to succeed). Raises torch's error after the
-        store's operation timeout."""
-        key = f"status/{self.rank}"
+        store's operation timeout. ``rank``: whose record it is (default this rank's; another's when a rank
+        reports a dead neighbour on its node)."""
+        key = f"status/{self.rank if rank is None else int(rank)}"
         self.store.set(key, json.dumps(record, default=str))
         self.store.check([key])
 
