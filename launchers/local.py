@@ -1,7 +1,8 @@
 """Local launcher: ``dist.world_size`` ranks on this machine through torch.distributed.elastic's launch API
 (torchrun's engine, c10d rendezvous on a free port). When a rank raises or dies the agent stops every rank;
 the driver then names the culprit from the status records (see launchers.culprit) and raises
-RankFailedError. No process outlives ``launch_local``.
+RankFailedError. No rank outlives ``launch_local`` (the idle fork server the ranks were forked from stays for
+the process's next launch: ``fork_server``).
 """
 from __future__ import annotations
 
@@ -263,35 +264,44 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
 
 
+_server_made_for: tuple | None = None  # (module, environment) the current fork server was asked for
+ELASTIC_SETS = "TORCHELASTIC_"  # variables elastic's launch sets itself, the same each time (not a new environment)
+
+
 @contextlib.contextmanager
 def fork_server(module: str):
-    """This launch's own multiprocessing fork server, with ``module`` (the ranks' entry point, which imports
-    torch) imported once in it: each rank is then a fork of that process instead of a new interpreter that
-    imports torch again (measured on 2 cores: 8.1 -> 6.3 CPU seconds for a world-size-2 digits run, 12.9 -> 8.2
-    at world size 4). The server is exec'd with this process's environment when the first rank starts, i.e.
-    inside the allocator's ``applied()`` (its LD_PRELOAD reaches every rank); one left from an earlier launch of
-    this process (another allocator) is stopped first, and this one is stopped afterwards. The server imports
-    only (no thread, no CUDA). The ranks hold the server's liveness pipe (CPython passes it to each fork), so the
-    server outlives a killed driver until its ranks end: they are told this process's pid
-    (``DISTEVAL_LAUNCHER_PID``) and their watchdog (``disteval.watchdog.launcher_gone``) ends them when it is gone.
+    """The multiprocessing fork server the ranks are forked from, with ``module`` (the ranks' entry point, which
+    imports torch) imported once in it: each rank is then a fork of that process instead of a new interpreter
+    that imports torch again (measured on 2 cores: 8.1 -> 6.3 CPU seconds for a world-size-2 digits run, 12.9 ->
+    8.2 at world size 4). The server is exec'd with this process's environment when the first rank starts, i.e.
+    inside the allocator's ``applied()`` (its LD_PRELOAD reaches every rank). A later launch of this process
+    reuses it when the module and this process's whole environment are what they were then (the jobs of a sweep:
+    one import of torch for all of them; the TORCHELASTIC_* variables the launch sets itself aside); otherwise the old server is stopped and a new one starts. The server
+    imports only (no thread, no CUDA) and ends when this process does (CPython: its liveness pipe from this
+    process closes) once its ranks have ended; ranks hold that pipe too, so they are told this process's pid
+    (``DISTEVAL_LAUNCHER_PID``) and their watchdog (``disteval.watchdog.launcher_gone``) ends them when it is
+    gone.
 
     ``ForkServer._stop`` is CPython's own way to stop the server (Lib/multiprocessing/forkserver.py, "used by
-    unit tests"); without it a second launch in one process would reuse the first one's environment."""
+    unit tests"); without it a launch with another environment would reuse the first one's."""
+    global _server_made_for
     import multiprocessing
     from multiprocessing import forkserver
 
-    forkserver._forkserver._stop()
-    multiprocessing.set_forkserver_preload([module])
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks watch this process, not the server (their parent)
     try:
+        wanted = (module, tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith(ELASTIC_SETS))))
+        if wanted != _server_made_for:
+            forkserver._forkserver._stop()
+            multiprocessing.set_forkserver_preload([module])
+            _server_made_for = wanted
         yield
     finally:
         if before is None:
             os.environ.pop(LAUNCHER_PID_ENV, None)
         else:
             os.environ[LAUNCHER_PID_ENV] = before
-        forkserver._forkserver._stop()
 
 
 def _rendezvous_failure(exc: BaseException, rendezvous: "Rendezvous | None", waited: float) -> DistevalError:

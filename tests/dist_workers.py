@@ -147,3 +147,21 @@ def coco_worker(out_dir: str, cases: list[dict]) -> None:
                 Path(out_dir, f"{case['name']}.json").write_text(json.dumps(out))
     finally:
         destroy_process_group()
+
+
+def parent_and_mark() -> tuple[int, str | None]:
+    """A rank's parent pid (its fork server's) and the environment variable DISTEVAL_TEST_MARK as the rank sees it
+    (tests/test_fork_server.py)."""
+    import os
+
+    return os.getppid(), os.environ.get("DISTEVAL_TEST_MARK")
+
+
+def say(text: str) -> None:
+    """Write "<text>: rank R to stdout" to the rank's stdout and the same with stderr to its stderr (fds 1 and 2)."""
+    import os
+    import sys
+
+    rank = int(os.environ["RANK"])
+    print(f"{text}: rank {rank} to stdout", flush=True)
+    print(f"{text}: rank {rank} to stderr", file=sys.stderr, flush=True)

@@ -1,13 +1,17 @@
-"""``python -m disteval`` at world size 1 in the test's own process (issue 29 point 6: CI time).
+"""``python -m disteval`` in the test's own process (issue 29 point 6: CI time).
 
-A world-size-1 job needs no peer: the driver runs its one rank in its own process (``launchers.local.start_ranks``),
-so calling ``disteval.cli.main`` here, with the same arguments, working directory and environment, runs the same
-code as the command does, without a second interpreter (about 3 s of imports per call, more under load). What the
+The driver is ordinary code: calling ``disteval.cli.main`` here, with the same arguments, working directory and
+environment, runs what the command runs, without a second interpreter (about 3 s of imports per call, more under
+load). At world size 1 the driver runs its one rank in this process (``launchers.local.start_ranks``); at larger
+world sizes it forks the ranks from a fork server (``launchers.local.fork_server``), which this process keeps for
+the next run with the same environment (one import of torch per test worker instead of one per run). What the
 run changes in this process is put back afterwards: the environment and working directory, torch's thread count
-and determinism switches, signal handlers, logging handlers and the driver's module state.
+and determinism switches, signal handlers (elastic's agent sets four), logging handlers and the driver's module
+state. What the ranks write to their stdout and stderr (this process's file descriptors 1 and 2, which the fork
+server and its forks share) is caught in two files kept for the process and added to the run's output.
 
-``inline_ok`` says when a call may run here: world size 1 given explicitly, no multirun or other launcher, no
-allocator asked for by name (that starts a process with another environment), no added environment (fault drills
+``inline_ok`` says when a call may run here: no multirun or other launcher, no allocator asked for by name (that
+starts a process with another environment), not a node of a multi-node run, no added environment (fault drills
 kill or stop the process they run in), no other command.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -30,19 +35,20 @@ def inline_ok(overrides: tuple[str, ...], env: dict | None, cmd: list[str] | Non
     """Whether ``python -m disteval *overrides`` may run in this process (see the module docstring)."""
     if cmd is not None or env or os.environ.get("DISTEVAL_TESTS_INLINE", "1") == "0":
         return False
-    sizes = [o.split("=", 1)[1] for o in overrides if o.startswith("dist.world_size=")]
-    if not sizes or sizes[-1] != "1":
-        return False
     return not any(o == flag or (flag.endswith(("=", ".")) and o.startswith(flag)) for o in overrides
                    for flag in NOT_INLINE)
 
 
 @contextlib.contextmanager
-def as_process(cwd: Path, env: dict | None):
-    """This process's working directory and environment as a child's would be, restored afterwards."""
+def as_process(cwd: Path, env: dict | None, drop: tuple[str, ...] = ()):
+    """This process's working directory and environment as a child's would be (``env`` added, the variables
+    ``drop`` removed: pytest's PYTEST_CURRENT_TEST changes with every test and would keep a fork server from
+    serving the next run), restored afterwards."""
     old_cwd, old_env = os.getcwd(), dict(os.environ)
     os.chdir(cwd)
     os.environ.update(env or {})
+    for name in drop:
+        os.environ.pop(name, None)
     try:
         yield
     finally:
@@ -57,12 +63,13 @@ def _process_state_kept():
     state as they were before, afterwards."""
     import torch
 
-    from disteval import cli, rundir
+    from disteval import cli, report, rundir
 
+    consoles = (cli._err, report._console)
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_float32_matmul_precision(),
              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
     log_state = {id(lg): (lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers
                  if isinstance(lg, logging.Logger)}
@@ -91,6 +98,51 @@ def _process_state_kept():
         os.environ.clear()  # last: torch's switches above import modules that set variables (TORCHINDUCTOR_CACHE_DIR)
         os.environ.update(env)
         cli._composed, cli._failed_sweep, rundir.refused_with = False, None, None
+        cli._err, report._console = consoles
+
+
+_CAPTURE_FDS: tuple[int, int] | None = None  # files standing for fds 1 and 2 during runs, kept for the process
+
+
+def _capture_fds() -> tuple[int, int]:
+    """Two unlinked files opened for appending, made on first use: what fds 1 and 2 point to during a run (a fork
+    server started during a run keeps them, so a later run's ranks write to the same files)."""
+    global _CAPTURE_FDS
+    if _CAPTURE_FDS is None:
+        fds = []
+        for name in ("stdout", "stderr"):
+            handle, path = tempfile.mkstemp(prefix=f"disteval-inline-{name}-")
+            fds.append(os.open(path, os.O_RDWR | os.O_APPEND))
+            os.close(handle)
+            os.unlink(path)
+        _CAPTURE_FDS = (fds[0], fds[1])
+    return _CAPTURE_FDS
+
+
+@contextlib.contextmanager
+def _fds_captured():
+    """Point fds 1 and 2 at ``_capture_fds()`` for the block; yields (a dict filled afterwards with what was
+    written to each, as text, keys 1 and 2; a file object on the original stderr, for a hang's stacks)."""
+    files = _capture_fds()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    starts = {fd: os.fstat(f).st_size for fd, f in zip((1, 2), files)}
+    written: dict[int, str] = {}
+    original_stderr = os.fdopen(saved[2], "w", closefd=False)
+    for fd, f in zip((1, 2), files):
+        os.dup2(f, fd)
+    try:
+        yield written, original_stderr
+    finally:
+        with contextlib.suppress(Exception):
+            sys.__stdout__.flush(), sys.__stderr__.flush()
+        for fd, f in zip((1, 2), files):
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            end = os.fstat(f).st_size
+            written[fd] = os.pread(f, end - starts[fd], starts[fd]).decode(errors="replace")
 
 
 def run_inline(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -99,14 +151,19 @@ def run_inline(args: list[str], cwd: Path, timeout: float) -> subprocess.Complet
     Past ``timeout`` seconds this process prints every thread's stack and ends (a hang must not stall the suite)."""
     import faulthandler
 
-    from disteval import cli
+    from rich.console import Console
+
+    from disteval import cli, report
 
     out, err = io.StringIO(), io.StringIO()
-    with _process_state_kept(), as_process(cwd, {"COLUMNS": "120"}), contextlib.redirect_stdout(out), \
+    with _process_state_kept(), as_process(cwd, {"COLUMNS": "120"}, drop=("PYTEST_CURRENT_TEST",)), \
+            _fds_captured() as (ranks_wrote, original_stderr), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
         sys.argv = ["disteval", *args]
         cli._composed, cli._failed_sweep = False, None
-        faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
+        # the driver's module-level consoles as a new process makes them: sized from this run's COLUMNS
+        cli._err, report._console = Console(stderr=True), Console()
+        faulthandler.dump_traceback_later(timeout, exit=True, file=original_stderr)
         try:
             cli.main()
             code = 0
@@ -117,5 +174,5 @@ def run_inline(args: list[str], cwd: Path, timeout: float) -> subprocess.Complet
             code = 1
         finally:
             faulthandler.cancel_dump_traceback_later()
-    return subprocess.CompletedProcess([sys.executable, "-m", "disteval", *args], code, out.getvalue(),
-                                       err.getvalue())
+    return subprocess.CompletedProcess([sys.executable, "-m", "disteval", *args], code,
+                                       out.getvalue() + ranks_wrote[1], err.getvalue() + ranks_wrote[2])

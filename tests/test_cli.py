@@ -228,7 +228,7 @@ def test_fp16_scores_error_and_bytes_in_results(cli):
 
 
 def test_schema_error_from_cli_names_key(cli):
-    proc, _ = cli("data.batchsize=3")
+    proc, _ = cli("data.batchsize=3", inline=False)  # the process's own first line, printed before the CLI runs
     assert proc.returncode == 2 and "data.batchsize" in proc.stderr
     assert proc.stderr.startswith("disteval: [") and "starting" in proc.stderr.splitlines()[0]
 

@@ -1,0 +1,33 @@
+"""The local launcher's fork server (``launchers.local.fork_server``): the ranks of a launch are forks of one
+server, which a later launch of the same process reuses while the entry module and the environment are the
+same, and which is replaced (the old one ending) when the environment changed, so ranks always see the
+environment of the launch that started them."""
+from __future__ import annotations
+
+import os
+
+from dist_workers import parent_and_mark
+
+from disteval.records import pid_alive
+from launchers.local import launch
+
+
+def _parents(run_dir) -> tuple[set[int], set[str | None]]:
+    got = launch(parent_and_mark, (), 2, str(run_dir))
+    assert sorted(got) == [0, 1]
+    return {parent for parent, _ in got.values()}, {mark for _, mark in got.values()}
+
+
+def test_one_server_per_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTEVAL_TEST_MARK", raising=False)
+    first, marks = _parents(tmp_path / "a")
+    assert len(first) == 1 and first != {os.getpid()} and marks == {None}  # both ranks: forks of one server
+    again, _ = _parents(tmp_path / "b")
+    assert again == first  # the same environment: the same server, torch not imported again
+    monkeypatch.setenv("DISTEVAL_TEST_MARK", "changed")
+    changed, marks = _parents(tmp_path / "c")
+    assert changed != first and len(changed) == 1 and marks == {"changed"}  # a new server with the new variable
+    assert not pid_alive(first.pop())  # the old server was stopped, not left behind
+    monkeypatch.delenv("DISTEVAL_TEST_MARK")
+    back, marks = _parents(tmp_path / "d")
+    assert back != changed and marks == {None}
