@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
 from disteval.common.liveness import LAUNCHER_PID_ENV
-from disteval.common import netif
+from disteval.common import netif, startup
 from disteval.common.netif import node_id
 from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 from disteval.errors import RendezvousError as RendezvousFailure
@@ -243,7 +243,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     try:
         with reaper, deadline, (allocator.applied() if allocator is not None else contextlib.nullcontext()), \
                 fork_server(entry.__module__):
-            return elastic_launch(config, entry)(*args)
+            return elastic_launch(config, _rank_main)(entry, handed_to_ranks(), *args)
     except ChildFailedError as exc:
         # ranks the reaper killed after another rank failed are consequences: not deaths of their own
         deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
@@ -266,6 +266,19 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
 
 _server_made_for: tuple | None = None  # (module, environment) the current fork server was asked for
 ELASTIC_SETS = "TORCHELASTIC_"  # variables elastic's launch sets itself, the same each time (not a new environment)
+HANDED_TO_RANKS = (startup.ENV,)  # set anew for each job; each launch hands them to its ranks (``_rank_main``)
+
+
+def handed_to_ranks() -> dict[str, str]:
+    """This process's values of ``HANDED_TO_RANKS`` (the job's start time) for the ranks of this launch."""
+    return {name: os.environ[name] for name in HANDED_TO_RANKS if name in os.environ}
+
+
+def _rank_main(entry: Callable[..., Any], variables: dict[str, str], *args: Any) -> Any:
+    """A rank's first step: this launch's ``variables`` (``handed_to_ranks``) into the environment, replacing the
+    fork server's values from the launch it was started for, then ``entry(*args)``."""
+    os.environ.update(variables)
+    return entry(*args)
 
 
 @contextlib.contextmanager
@@ -276,7 +289,8 @@ def fork_server(module: str):
     8.2 at world size 4). The server is exec'd with this process's environment when the first rank starts, i.e.
     inside the allocator's ``applied()`` (its LD_PRELOAD reaches every rank). A later launch of this process
     reuses it when the module and this process's whole environment are what they were then (the jobs of a sweep:
-    one import of torch for all of them; the TORCHELASTIC_* variables the launch sets itself aside); otherwise the old server is stopped and a new one starts. The server
+    one import of torch for all of them; the TORCHELASTIC_* variables elastic sets and ``HANDED_TO_RANKS``, which
+    each launch gives its ranks itself, aside); otherwise the old server is stopped and a new one starts. The server
     imports only (no thread, no CUDA) and ends when this process does (CPython: its liveness pipe from this
     process closes) once its ranks have ended; ranks hold that pipe too, so they are told this process's pid
     (``DISTEVAL_LAUNCHER_PID``) and their watchdog (``disteval.watchdog.launcher_gone``) ends them when it is
@@ -291,10 +305,11 @@ def fork_server(module: str):
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks watch this process, not the server (their parent)
     try:
-        wanted = (module, tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith(ELASTIC_SETS))))
+        wanted = (module, tuple(sorted((k, v) for k, v in os.environ.items()
+                                       if not k.startswith(ELASTIC_SETS) and k not in HANDED_TO_RANKS)))
         if wanted != _server_made_for:
             forkserver._forkserver._stop()
-            multiprocessing.set_forkserver_preload([module])
+            multiprocessing.set_forkserver_preload([module, __name__])  # __name__: _rank_main
             _server_made_for = wanted
         yield
     finally:

@@ -149,12 +149,12 @@ def coco_worker(out_dir: str, cases: list[dict]) -> None:
         destroy_process_group()
 
 
-def parent_and_mark() -> tuple[int, str | None]:
-    """A rank's parent pid (its fork server's) and the environment variable DISTEVAL_TEST_MARK as the rank sees it
-    (tests/test_fork_server.py)."""
+def parent_and_mark() -> tuple[int, str | None, str | None]:
+    """A rank's parent pid (its fork server's) and the environment variables DISTEVAL_TEST_MARK and DISTEVAL_T0 as
+    the rank sees them (tests/test_fork_server.py)."""
     import os
 
-    return os.getppid(), os.environ.get("DISTEVAL_TEST_MARK")
+    return os.getppid(), os.environ.get("DISTEVAL_TEST_MARK"), os.environ.get("DISTEVAL_T0")
 
 
 def say(text: str) -> None:

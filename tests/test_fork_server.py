@@ -1,7 +1,8 @@
 """The local launcher's fork server (``launchers.local.fork_server``): the ranks of a launch are forks of one
 server, which a later launch of the same process reuses while the entry module and the environment are the
 same, and which is replaced (the old one ending) when the environment changed, so ranks always see the
-environment of the launch that started them."""
+environment of the launch that started them; the job's start time (DISTEVAL_T0), new for every job, is handed to
+each launch's ranks without a new server."""
 from __future__ import annotations
 
 import os
@@ -12,17 +13,19 @@ from disteval.records import pid_alive
 from launchers.local import launch
 
 
-def _parents(run_dir) -> tuple[set[int], set[str | None]]:
+def _parents(run_dir, t0: str = "1.5") -> tuple[set[int], set[str | None]]:
+    os.environ["DISTEVAL_T0"] = t0  # what the driver sets for each job (disteval.common.startup.job_start)
     got = launch(parent_and_mark, (), 2, str(run_dir))
-    assert sorted(got) == [0, 1]
-    return {parent for parent, _ in got.values()}, {mark for _, mark in got.values()}
+    assert sorted(got) == [0, 1] and {seen for _, _, seen in got.values()} == {t0}
+    return {parent for parent, _, _ in got.values()}, {mark for _, mark, _ in got.values()}
 
 
 def test_one_server_per_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("DISTEVAL_TEST_MARK", raising=False)
-    first, marks = _parents(tmp_path / "a")
+    monkeypatch.setenv("DISTEVAL_T0", "0")
+    first, marks = _parents(tmp_path / "a", t0="1.5")
     assert len(first) == 1 and first != {os.getpid()} and marks == {None}  # both ranks: forks of one server
-    again, _ = _parents(tmp_path / "b")
+    again, _ = _parents(tmp_path / "b", t0="2.5")  # the next job: its own start time, handed to its ranks
     assert again == first  # the same environment: the same server, torch not imported again
     monkeypatch.setenv("DISTEVAL_TEST_MARK", "changed")
     changed, marks = _parents(tmp_path / "c")
