@@ -136,23 +136,27 @@ def pytest_collection_modifyitems(config, items):
     _group_for_workers(items)
 
 
-# Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) a test file is one unit of work, so a
+# Under pytest-xdist (``-n 3 --dist loadgroup``, pyproject's addopts) a test file is one unit of work, so a
 # module's ranks started once by its fixture serve all of its cases on one worker. The tests of the SLURM
-# clusters and of the network lab are one unit together, first in line: one cluster's CPUs at a time, and two
-# labs started at once race in ``ip netns add`` (its first bind mount of /run/netns); it is the longest unit
-# and mostly waits, so the other worker runs the rest meanwhile. (Three workers, the lab unit on one of them,
-# measured 35.4 min against 37.6 and made a lab test's culprit race fail under the load: not kept.)
-EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after another on one worker
+# clusters and of the network lab are three units, first in line, one after another inside each: "slurm" (the
+# machine's cluster: one job's CPUs at a time), "netlab" (labs of the lab tests, the network chaos and the links
+# benchmark) and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their
+# namespaces, bridges and folders are their own; ``NetLab.start`` builds one at a time). They mostly wait, so the
+# other workers run the rest meanwhile.
+EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after another within their unit
+
+
+def _unit(item) -> str:
+    """The xdist group of a test: "slurm", "netlab" or "slurm-lab" (its EXCLUSIVE markers), else its file."""
+    marks = [m for m in EXCLUSIVE if item.get_closest_marker(m) is not None]
+    return "-".join(marks).replace("slurm-netlab", "slurm-lab") if marks else item.path.name
 
 
 def _group_for_workers(items) -> None:
-    """Give every test an ``xdist_group``: its file, or "exclusive" (EXCLUSIVE markers), which goes first."""
-    def unit(item) -> str:
-        return "exclusive" if any(item.get_closest_marker(m) is not None for m in EXCLUSIVE) else item.path.name
-
+    """Give every test an ``xdist_group`` (``_unit``); the SLURM and lab units go first."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(unit(item)))
-    items.sort(key=lambda item: unit(item) != "exclusive")  # stable: files keep their order
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    items.sort(key=lambda item: _unit(item) not in ("slurm", "netlab", "slurm-lab"))  # stable: files keep their order
 
 
 def pytest_sessionfinish(session, exitstatus):

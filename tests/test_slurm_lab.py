@@ -25,7 +25,7 @@ import pytest
 
 from conftest import REPO, load_results, rank_status, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.netlab, pytest.mark.slow]
 
 _spec = importlib.util.spec_from_file_location("slurm_lab_cluster", REPO / "scripts" / "slurm" / "lab_cluster.py")
 lab_cluster = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))  # dataclasses need it there

@@ -35,6 +35,8 @@ Command line (as root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -176,7 +178,8 @@ class NetLab:
             raise NetLabError(f"nodes={self.nodes}: 1..200")
         cleanup_stale(self.name, self.base)
         try:
-            self._build()
+            with _building():
+                self._build()
         except BaseException:
             self.stop()
             raise
@@ -397,6 +400,19 @@ def send_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@contextlib.contextmanager
+def _building():
+    """One lab built at a time on this machine (labs of other names may run side by side): two first
+    ``ip netns add`` at once race in mounting /run/netns. An advisory lock on /run/disteval-netlab.lock, released
+    when the build ends or its process dies."""
+    with open("/run/disteval-netlab.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def cleanup_stale(name: str | None = None, base: str = DEFAULT_BASE) -> list[str]:
