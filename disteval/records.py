@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from disteval.common.liveness import DRIVER_HEARTBEAT_S
+from disteval.common.liveness import DRIVER_HEARTBEAT_S, process_state
 from disteval.common.netif import node_id
 from disteval.common.plain import plain
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
@@ -197,23 +197,6 @@ def boot_id() -> str | None:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return None
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` on this machine (R, S, D, T stopped, Z zombie, ...), "?" when it
-    exists but /proc cannot say, None when there is no such process."""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    except (OverflowError, ValueError):
-        return None
-    try:
-        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return "?"
 
 
 def zombie_exit(pid: int) -> str | None:

@@ -23,6 +23,9 @@ start-up took a few seconds).
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 BEATS = 3                  # missed beats that make a heartbeat stopped or stale
 LAG_FLOOR_S = 2.0          # the least lag between two records' heartbeats that counts as stopped
 STALE_FLOOR_S = 10.0       # the least age of a heartbeat that a later reader calls stale
@@ -73,3 +76,20 @@ def progress_limit(record: dict, collective_timeout_s: float, loader_timeout_s: 
         return (float(loader_timeout_s) + WORKER_STOP_S + float(collective_timeout_s),
                 f"data.loader_timeout_s + {WORKER_STOP_S:g} s + communication.timeout_s")
     return float(collective_timeout_s), "communication.timeout_s"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` on this machine (R, S, D, T stopped, Z zombie, ...), "?" when it
+    exists but /proc cannot say, None when there is no such process."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    except (OverflowError, ValueError):
+        return None
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return "?"

@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disteval.common.liveness import process_state
+
 SUBNET = "198.18.0"  # node i: SUBNET.i/24 on eth0
 SUBNET2 = "198.18.1"  # the optional second network: SUBNET2.i/24 on eth1
 CONTAINMENT = "198.18.0.0/15"
@@ -374,10 +376,18 @@ class NetLab:
                 self.sh(other.name, "ip", "route", "del", f"{self.node(name).addr}/32", check=False)
 
     def freeze(self, name: str) -> list[int]:
-        """SIGSTOP every process in node ``name``; returns their pids."""
+        """SIGSTOP every process in node ``name`` and wait (at most 5 s) until each is stopped (state T) or gone:
+        the signal is delivered when the process is next scheduled, which on a loaded machine is not at once.
+        Returns their pids; NetLabError naming a process still running after 5 s."""
         pids = self.pids(name)
         for pid in pids:
             send_signal(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        for pid in pids:
+            while process_state(pid) not in (None, "T", "t"):
+                if time.monotonic() > deadline:
+                    raise NetLabError(f"node {name}: process {pid} still {process_state(pid)} 5 s after SIGSTOP")
+                time.sleep(0.01)
         return pids
 
     def thaw(self, name: str) -> None:
