@@ -45,6 +45,7 @@ JOB_RECORDS = tuple(r for r in RECORDS if r not in (".hydra", "disteval.log"))
 # under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/
 SHARED_RECORDS = ("results.json", "predictions", "checkpoints", "report.html", "metrics.csv")  # rank 0 moves them before any rank writes one
 
+GRACE_S = 2.0  # how long a claim waits out a probe of the lock, and a probe a holder still writing its record
 _held: dict[str, int] = {}  # resolved run dir -> fd holding its flock (this process)
 
 
@@ -95,12 +96,18 @@ def lock_run_dir(run_dir: str | os.PathLike) -> str | None:
         return None
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fd)
-        os.close(fd)
-        raise RunDirBusy(str(path), holder) from None
+    deadline = time.monotonic() + GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:  # perhaps another rank's probe (is_locked), which holds it an instant
+                time.sleep(0.02)
+                continue
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirBusy(str(path), holder) from None
     old = _read_holder(fd)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "t_start": time.time(),
               "argv": list(sys.argv), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "released": False}
@@ -284,6 +291,10 @@ def _check_shared(run_dir: str, overwrite: bool) -> None:
     path = Path(run_dir)
     if (path / "results.json").exists() and not overwrite:
         raise RunDirOccupied(run_dir, path / "results.json")
+    deadline = time.monotonic() + GRACE_S
     holder = is_locked(path)
-    if holder is not None and holder.get("run_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
-        raise RunDirBusy(run_dir, holder)
+    while holder is not None and holder.get("run_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
+        if time.monotonic() > deadline:
+            raise RunDirBusy(run_dir, holder)
+        time.sleep(0.05)  # rank 0 may hold the lock and not have written its record (its run id) yet
+        holder = is_locked(path)
