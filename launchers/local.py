@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
@@ -229,8 +229,9 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     else:
         placement = dict(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
                          rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}")
-    config = LaunchConfig(**placement, max_restarts=0, monitor_interval=0.1, start_method="forkserver",
-                          shutdown_timeout=3)  # then SIGKILL (a stopped rank ignores SIGTERM)
+    # SIGTERM, then SIGKILL after 3 s (a stopped rank ignores SIGTERM); torch < 2.14 has no such field (30 s)
+    stop = {"shutdown_timeout": 3} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
+    config = LaunchConfig(**placement, max_restarts=0, monitor_interval=0.1, start_method="forkserver", **stop)
     reaper = Reaper(run_dir, world_size)
     if allocator is not None and allocator.changes_env:
         from multiprocessing import resource_tracker

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks (issues 19, 27: the fast path; the canary and pin on the device) in one run (about 5-8 minutes on one GPU): the tests marked gpu, then the
 # throughput benchmark on the GPU (resnet50 and vit_b_16, random weights, bf16, batch 256, the shipped
-# ImageNet sample images from disk as an ImageFolder view; disteval's loop against a bare loop, a torchmetrics
-# loop and a gather-per-batch loop), printed as one table at the end. Installs nothing beyond README's set-up.
+# ImageNet sample images from disk as an ImageFolder view; disteval's loop against a bare loop on batches already
+# on the GPU, the same bare loop reading the same files through a plain DataLoader ("loader": disteval's fair
+# baseline, both decode JPEGs on the host), a torchmetrics loop and a gather-per-batch loop), printed as one
+# table at the end. Installs nothing beyond README's set-up.
 #
 #   bash scripts/gpu_check.sh [SHARED_DATA_DIR]     (default: ../shared/data beside this checkout)
 #
@@ -23,11 +25,14 @@ timeout 240 python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&
 echo "== throughput on the GPU"
 VAL="$(mktemp -d)/val"   # ImageFolder view of the flat sample folder: symlinks, nothing copied
 python scripts/imagenet_sample_tree.py "$VAL" --sample "$DATA/imagenet-sample-224" || status=1
-for model in resnet50 vit_b_16; do
+# resnet50 also with 12 loader workers: where JPEG decoding on the host sets the pace, more workers move it
+for run in resnet50:4 vit_b_16:4 resnet50:12; do
+  model="${run%:*}" workers="${run#*:}"
   timeout 200 python benchmarks/throughput.py --device cuda --dtype bf16 --model "$model" --data-root "$VAL" \
-      --batch-size 256 --world-sizes 1 --rounds 1 --repeats 5 --threads 4 > "$OUT/throughput_$model.txt" 2>&1
+      --batch-size 256 --world-sizes 1 --rounds 1 --repeats 5 --threads 4 --num-workers "$workers" \
+      --methods bare loader disteval torchmetrics gather > "$OUT/throughput_${model}_w$workers.txt" 2>&1
   [ $? -eq 0 ] || status=1
-  tail -4 "$OUT/throughput_$model.txt"
+  tail -4 "$OUT/throughput_${model}_w$workers.txt"
 done
 
 echo "== JPEG decoding on the host vs on the GPU (resnet50, bf16, 4 loader workers)"
@@ -46,17 +51,19 @@ from rich.console import Console
 from rich.table import Table
 out = Path(sys.argv[1])
 table = Table(title="disteval GPU check: " + (out / "gpu.txt").read_text().strip())
-for col in ("model", "W", "method", "images/s", "x bare"):
+for col in ("model", "loader workers", "W", "method", "images/s", "x bare", "x loader"):
     table.add_column(col, justify="left" if col in ("model", "method") else "right")
 for f in sorted(out.glob("throughput_*.txt")):
     lines = [l for l in f.read_text().splitlines() if l.startswith("{")]
     if not lines:
-        table.add_row(f.stem.split("_", 1)[1], "-", "failed (see log)", "-", "-")
+        table.add_row(f.stem.split("_", 1)[1], "-", "-", "failed (see log)", "-", "-", "-")
         continue
     s = json.loads(lines[-1])
     for w, methods in s["throughput"].items():
+        loader = methods.get("loader", {}).get("images_per_s")
         for m, r in methods.items():
-            table.add_row(s["config"]["model"], w, m, f"{r['images_per_s']:,.0f}", f"{r['x_bare']:.3f}x")
+            table.add_row(s["config"]["model"], f.stem.rsplit("_w", 1)[-1], w, m, f"{r['images_per_s']:,.0f}", f"{r['x_bare']:.3f}x",
+                          f"{r['images_per_s'] / loader:.3f}x" if loader else "-")
 tests = (out / "tests.txt").read_text().strip().splitlines()
 decode = (out / "decode.txt").read_text().strip() if (out / "decode.txt").exists() else "decode: no output"
 table.caption = "tests: " + (tests[-1] if tests else "no output") + "\n" + decode

@@ -59,9 +59,11 @@ def test_deferred_label_error_on_the_gpu_names_the_sample():
     from disteval.errors import DataError
 
     m = ClassificationMetrics(10).to("cuda")
+    # the inputs made first: a tensor built from a Python list on the device is a blocking copy (a sync)
+    logits, labels, ids = torch.zeros(3, 10, device="cuda"), torch.tensor([1, 11, 2], device="cuda"), torch.tensor([5, 6, 7])
     torch.cuda.set_sync_debug_mode("error")
     try:
-        m.update(torch.zeros(3, 10, device="cuda"), torch.tensor([1, 11, 2], device="cuda"), torch.tensor([5, 6, 7]))
+        m.update(logits, labels, ids)  # label 11 of 10 classes: recorded on the device, raised later
     finally:
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(DataError, match=r"sample id 6: label 11"):
