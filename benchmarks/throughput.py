@@ -33,7 +33,10 @@ of methods run in separate processes would attribute to the methods.
   at W > 1);
 - ``gather``: the same in-memory batches; per batch the predictions (arg-max) and labels of every rank are
   all_gathered (accelerate's ``gather_for_metrics``: a collective per batch, ranks in lockstep; a rank whose
-  shard has one batch fewer gathers an empty, padded batch) and counted on the gathered tensors.
+  shard has one batch fewer gathers an empty, padded batch) and counted on the gathered tensors;
+- ``loader`` (only when named in ``--methods``, as scripts/gpu_check.sh does): the bare loop reading the same
+  dataset and shard through a plain DataLoader with the job's loader settings, batches moved to the device per
+  step: disteval's fair baseline where the data come from files (on a GPU with JPEGs both are decode-bound).
 
 Per child: one warm-up pass of each method (not timed), then ``--repeats`` rounds of one timed pass of each
 method in turn, each pass started after a barrier at W > 1; a pass's time is the slowest rank's. images/s = N /
