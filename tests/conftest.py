@@ -136,27 +136,43 @@ def pytest_collection_modifyitems(config, items):
     _group_for_workers(items)
 
 
-# Under pytest-xdist (``-n 3 --dist loadgroup``, pyproject's addopts) a test file is one unit of work, so a
-# module's ranks started once by its fixture serve all of its cases on one worker. The tests of the SLURM
-# clusters and of the network lab are three units, first in line, one after another inside each: "slurm" (the
-# machine's cluster: one job's CPUs at a time), "netlab" (labs of the lab tests, the network chaos and the links
-# benchmark) and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their
-# namespaces, bridges and folders are their own; ``NetLab.start`` builds one at a time). They mostly wait, so the
-# other workers run the rest meanwhile.
+# Under pytest-xdist (``-n 4 --dist loadgroup --no-loadscope-reorder``, pyproject's addopts) a test file is one unit
+# of work, so a module's ranks started once by its fixture serve all of its cases on one worker. The tests of the
+# SLURM clusters and of the network lab are three units, one after another inside each: "slurm" (the machine's
+# cluster: one job's CPUs at a time), "netlab" (labs of the lab tests, the network chaos and the links benchmark)
+# and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their namespaces,
+# bridges and folders are their own; ``NetLab.start`` builds one at a time). The benchmark smokes are a unit each
+# (separate processes, no shared fixture). Units start longest first (``UNIT_SECONDS``): a long unit started last
+# would end alone.
 EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after another within their unit
 
 
+SPLIT = ("test_benchmarks.py",)  # files whose tests are a unit each
+# wall seconds of the longest units (measured 2026-12-04: four workers on the 2-core machine, tests/conftest.py's
+# order of that day); the scheduling order only, longest first. Units not named here go after them.
+UNIT_SECONDS = {"netlab": 1090, "slurm-lab": 434, "test_doctor.py": 412, "slurm": 308, "test_doctor_evidence.py": 280,
+                "test_prediction_store.py": 261, "test_cli.py": 237, "test_hardening.py": 215,
+                "test_heterogeneous.py": 181, "test_html_report.py": 176, "test_benchmark_smoke[heterogeneous.py]": 128,
+                "test_bitwise_dist.py": 124, "test_segmentation.py": 123, "test_coco.py": 118,
+                "test_benchmark_smoke[checkpoints.py]": 98, "test_readme_commands.py": 102, "test_allocator.py": 84,
+                "test_bootstrap.py": 83, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
+
+
 def _unit(item) -> str:
-    """The xdist group of a test: "slurm", "netlab" or "slurm-lab" (its EXCLUSIVE markers), else its file."""
+    """The xdist group of a test: "slurm", "netlab" or "slurm-lab" (its EXCLUSIVE markers), else its name in a
+    SPLIT file, else its file."""
     marks = [m for m in EXCLUSIVE if item.get_closest_marker(m) is not None]
-    return "-".join(marks).replace("slurm-netlab", "slurm-lab") if marks else item.path.name
+    if marks:
+        return "-".join(marks).replace("slurm-netlab", "slurm-lab")
+    return item.name if item.path.name in SPLIT else item.path.name
 
 
 def _group_for_workers(items) -> None:
-    """Give every test an ``xdist_group`` (``_unit``); the SLURM and lab units go first."""
+    """Give every test an ``xdist_group`` (``_unit``); the longest units first (``UNIT_SECONDS``; stable: files
+    keep their order otherwise)."""
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_unit(item)))
-    items.sort(key=lambda item: _unit(item) not in ("slurm", "netlab", "slurm-lab"))  # stable: files keep their order
+    items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 0))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -2,8 +2,6 @@
 metrics of its own one-checkpoint job (at another world size: bitwise mode), the per-checkpoint results files,
 and bad sets refused before any rank starts, naming the key or the file."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -11,6 +9,7 @@ import pytest
 import torch
 
 from conftest import load_results, run_disteval
+from recorded_runs import diagnostics_cli
 from disteval.config import validated
 from disteval.errors import ConfigError, DataError
 from disteval.metrics.classification import ClassificationMetrics
@@ -55,9 +54,8 @@ def test_each_checkpoint_equals_its_own_job(checkpoints, tmp_path):
         assert manifests[0]["weights_digest"] == manifests[1]["weights_digest"] == block["weights_digest"]
         assert manifests[0]["checkpoint"] == str(path)
     # two checkpoints of the job compared on their stores, as two runs
-    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(tmp_path / "set/checkpoints/step_0"),
-                          str(tmp_path / "set/checkpoints/step_2"), "--significance", "--json", "--resamples", "200"],
-                         capture_output=True, text=True, timeout=300)
+    cmp = diagnostics_cli(["compare", str(tmp_path / "set/checkpoints/step_0"), str(tmp_path / "set/checkpoints/step_2"),
+                           "--significance", "--json", "--resamples", "200"], cwd=tmp_path)
     assert cmp.returncode == 1, cmp.stderr[-2000:]
     assert json.loads(cmp.stdout)["significance"]["samples"] == job["dataset"]["num_samples"]
     # the three networks really differ (a set that forwarded one network three times would fail here)

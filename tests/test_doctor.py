@@ -321,8 +321,7 @@ def test_failed_job_of_a_local_sweep_does_not_stop_the_sweep(tmp_path):
 
 
 def test_doctor_cannot_finish_on_a_missing_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120)
+    proc = diagnostics_cli(["doctor", str(tmp_path / "nope")], cwd=tmp_path)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
 
 

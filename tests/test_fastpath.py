@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import SAMPLE, load_results, sample_tree
+from recorded_runs import diagnostics_cli
 from disteval.data.device_feed import _batch_to
 from disteval.data.wds_stream import StreamBatch
 from disteval.loop import DeviceFeed, ShardSpec, _PERSISTENT, make_loader
@@ -139,8 +140,7 @@ def test_compile_and_channels_last_are_recorded_and_bit_identical_across_world_s
         assert (c["compile"], c["compile_backend"], c["channels_last"], c["inference_mode"]) == (True, "eager", True, True)
         assert r["throughput"]["warmup_s"] > 0 and r["model"]["class"] == "OptimizedModule"
         assert all(p["seconds"]["warmup"] > 0 for p in r["per_rank"])
-    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run3), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    doctor = diagnostics_cli(["doctor", str(run3), "--json"], cwd=run3.parent)
     report = json.loads(doctor.stdout)
     flags = next(c for c in report["runs"][0]["checks"] if (c["state"], c["check"]) == ("CONVERGENCE", "flags"))
     assert "eval.compile=true" in flags["finding"] and "model.channels_last=true" in flags["finding"]

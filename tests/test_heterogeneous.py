@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, load_results, rank_status, run_disteval
+from recorded_runs import diagnostics_cli
 
 HERE = torch.backends.cpu.get_cpu_capability()  # the test process ran kernels already: what this CPU offers
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -105,8 +106,7 @@ def test_two_ranks_on_different_kernels_warn_refuse_pin(tmp_path):
     # the doctor: CONVERGENCE/hardware names the classes and the setting, remedy pin; --apply on the refused run
     # reruns with it (the drill still in the environment: the hardware is still mixed) and measures the effect
     drill_env = {**os.environ, "DISTEVAL_FAULTS": "cpu@1:capability=default"}
-    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--json", str(tmp_path / "warn" / "run")],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    doctor = diagnostics_cli(["doctor", "--json", str(tmp_path / "warn" / "run")], cwd=REPO)
     report = json.loads(doctor.stdout)["runs"][0]
     verdict = report["verdict"]
     assert (verdict["state"], verdict["check"], verdict["status"]) == ("CONVERGENCE", "hardware", "fail"), verdict
@@ -124,8 +124,7 @@ def test_two_ranks_on_different_kernels_warn_refuse_pin(tmp_path):
     retried = load_results(Path(attempt["run_dir"]))
     assert retried["metrics"] == pinned["metrics"]
     # compare names the kernel difference first when the forward differs
-    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", "--json", str(tmp_path / "warn" / "run"),
-                          str(tmp_path / "pin" / "run")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    cmp = diagnostics_cli(["compare", "--json", str(tmp_path / "warn" / "run"), str(tmp_path / "pin" / "run")], cwd=REPO)
     result = json.loads(cmp.stdout)
     assert cmp.returncode == 1 and result["first_suspect"].startswith("the ranks computed with other kernels")
     assert {"field": "cpu_capability", "a": [HERE, "DEFAULT"], "b": ["DEFAULT"]} in result["fingerprint_differs"]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SHARED, load_results, run_disteval
+from recorded_runs import diagnostics_cli
 
 pytestmark = pytest.mark.slow
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -65,8 +66,7 @@ def runs(tmp_path_factory):
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     report = failed / "doctor" / "report.html"
     assert f"report: {report}" in " ".join(doctor.stdout.split())
-    verdict = json.loads(subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(failed), "--json"],
-                                        cwd=base, capture_output=True, text=True, timeout=300).stdout)["runs"][0]
+    verdict = json.loads(diagnostics_cli(["doctor", str(failed), "--json"], cwd=base).stdout)["runs"][0]
     return {"run": run, "sweep": sweep, "failed": failed, "verdict": verdict}
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from recorded_runs import diagnostics_cli
+
 REPO = Path(__file__).resolve().parent.parent
 # communication.timeout_s (2 s) shorter than the loader's 4 s: rank 0's watch of a stalled peer must wait for the
 # peer's own loader timeout; the final synchronisation's own timeout long enough for rank 0's DataError to arrive
@@ -46,8 +48,7 @@ def test_stalled_loader_gives_the_same_data_error_on_every_rank(tmp_path, stalle
     assert f"no batch from the loader workers after global batch {first + 1} within data.loader_timeout_s" \
         in err["message"], err
     assert re.search(rf"run failed.*rank {stalled}\b", out, re.S) and "DataError" in out, out
-    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], cwd=run_dir.parent,
-                            capture_output=True, text=True, timeout=120)
+    doctor = diagnostics_cli(["doctor", str(run_dir), "--json"], cwd=run_dir.parent)
     verdict = json.loads(doctor.stdout)["runs"][0]
     assert verdict["verdict"]["culprit_rank"] == stalled, verdict["verdict"]
     assert verdict["remedy"]["unset"] == ["DISTEVAL_FAULTS"], verdict["remedy"]  # the drill's, not a longer timeout

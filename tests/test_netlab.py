@@ -617,8 +617,9 @@ SLOW_JOB = ("+experiment=fashion_mnist", "eval.metrics=[classification,ranking]"
 @pytest.mark.skipif(not any(FASHION.glob("t10k-*")), reason=f"Fashion-MNIST not found at {FASHION} "
                     "(apt-get install dataset-fashion-mnist)")
 def test_slow_link_past_the_timeout(lab, tmp_path):
-    """n2's link shaped to 2 Mbit/s both ways; 2 x 2 ranks gather the AUROC scores (10,000 x 10 float64: 200 kB per
-    rank, 600 kB through each rank's link) under communication.sync_timeout_s=1.5. The gather is still moving when
+    """n2's link shaped to 1 Mbit/s both ways; 2 x 2 ranks gather the AUROC scores (10,000 x 10 float64: 200 kB per
+    rank, 600 kB through each rank's link: about 4.8 s) under communication.sync_timeout_s=3 (room for ranks that
+    reach the synchronisation up to 3 s apart on a loaded machine). The gather is still moving when
     the timeout runs out: every rank fails with CollectiveTimeout (the timeout bounds the whole collective, not
     each piece), no results.json. The doctor says a slow link, not a dead peer: the collective and its payload
     (ranking.scores, float64), the bytes, a throughput measured from the records within 2x of the shaped rate,
@@ -630,10 +631,10 @@ def test_slow_link_past_the_timeout(lab, tmp_path):
     proc = run_disteval(*SLOW_JOB, "dist.world_size=1", run_dir=ref_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = load_results(ref_dir)["metrics"]
-    lab.rate("n2", 2)
+    lab.rate("n2", 1)
     try:
         procs, took, run_dir = _run_with_fault(lab, "slow_link", "", lambda run_dir: None, *SLOW_JOB,
-                                               "communication.sync_timeout_s=1.5")
+                                               "communication.sync_timeout_s=3")
         assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
         assert "CollectiveTimeout: all_gather timed out" in " ".join(procs["n1"].stderr.split())
         assert not (run_dir / "results.json").exists()
@@ -645,9 +646,9 @@ def test_slow_link_past_the_timeout(lab, tmp_path):
         assert "of 204,800 bytes" in finding and "through the link between node(s) n1, n2" in finding, finding
         assert report["culprit_rank"] is None and verdict["culprit_nodes"] == ["n1", "n2"]
         measured = float(finding.split(" Mbit/s through")[0].rsplit(" ", 1)[1])
-        assert 1.0 <= measured <= 4.0, finding  # shaped to 2 Mbit/s
+        assert 0.5 <= measured <= 2.0, finding  # shaped to 1 Mbit/s
         timeout = [o for o in remedy["overrides"] if o.startswith("communication.sync_timeout_s=")]
-        assert timeout and float(timeout[0].split("=")[1]) > 1.5 and remedy["changes_cause"] is True, remedy
+        assert timeout and float(timeout[0].split("=")[1]) > 3 and remedy["changes_cause"] is True, remedy
         assert "communication.compression=fp16" in remedy["overrides"], remedy
         apply = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", "--apply", str(run_dir)], cwd=REPO,
                                capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import load_results, run_disteval
+from recorded_runs import diagnostics_cli
 
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 pytestmark = pytest.mark.skipif(not os.path.isdir(FASHION_ROOT), reason="Debian package dataset-fashion-mnist "
@@ -124,9 +125,8 @@ def test_paired_significance_between_two_checkpoints(stores, tmp_path):
                 for k, v in state.items()}, tmp_path / "noisy.pt")
     proc = run_disteval(*JOB, "dist.world_size=2", f"model.checkpoint={tmp_path / 'noisy.pt'}", run_dir=tmp_path / "b")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cmp = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(stores[1]), str(tmp_path / "b"),
-                          "--significance", "--json", "--resamples", "400", "--seed", "5"],
-                         capture_output=True, text=True, timeout=300)
+    cmp = diagnostics_cli(["compare", str(stores[1]), str(tmp_path / "b"), "--significance", "--json", "--resamples",
+                           "400", "--seed", "5"], cwd=tmp_path)
     assert cmp.returncode == 1, cmp.stderr[-3000:]
     sig = json.loads(cmp.stdout)["significance"]
 
@@ -154,8 +154,7 @@ def test_paired_significance_between_two_checkpoints(stores, tmp_path):
 
     short = run_disteval(*JOB, "data.limit=9990", "dist.world_size=1", run_dir=tmp_path / "short")
     assert short.returncode == 0, short.stderr[-3000:]
-    refused = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(stores[1]), str(tmp_path / "short"),
-                              "--significance"], capture_output=True, text=True, timeout=300)
+    refused = diagnostics_cli(["compare", str(stores[1]), str(tmp_path / "short"), "--significance"], cwd=tmp_path)
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2 and "10 only in A (ids [9990, 9991" in said, said[-2000:]
 

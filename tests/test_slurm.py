@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import load_results, slurm_unavailable
+from recorded_runs import diagnostics_cli
 
 pytestmark = pytest.mark.slurm
 
@@ -63,8 +64,7 @@ def test_doctor_on_the_sweep_probes_through_slurm(sweep):
     way the run was launched: one SLURM job with one task per rank."""
     proc, sweep_dir = sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(sweep_dir), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = diagnostics_cli(["doctor", str(sweep_dir), "--json"], cwd=sweep_dir.parent)
     report = json.loads(out.stdout)
     assert out.returncode == 0 and [r["verdict"] for r in report["runs"]] == [None, None]
     out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(sweep_dir / "1"), "--probe", "--json"],
@@ -143,8 +143,7 @@ def test_without_multirun_the_run_is_one_slurm_job_equal_to_the_local_run(slurm,
     local_proc, local_dir = cli("dist.world_size=2")
     assert local_proc.returncode == 0
     assert res["metrics"] == load_results(local_dir)["metrics"]
-    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = diagnostics_cli(["doctor", str(run_dir), "--json"], cwd=run_dir.parent)
     assert out.returncode == 0 and [r["verdict"] for r in json.loads(out.stdout)["runs"]] == [None], out.stdout[-3000:]
 
 

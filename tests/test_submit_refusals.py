@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from recorded_runs import diagnostics_cli
+
 from launchers.cluster import CLIENTS
 from test_doctor_evidence import WEIGHTS, imagenet_like, offline  # noqa: F401 - imagenet_like is a fixture
 
@@ -56,8 +58,7 @@ def _submit(tmp_path: Path, *args: str, env: dict | None = None, multirun: bool 
 
 
 def _doctor(run_dir: Path) -> tuple[int, dict]:
-    out = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], capture_output=True,
-                         text=True, timeout=300)
+    out = diagnostics_cli(["doctor", str(run_dir), "--json"], cwd=run_dir.parent)
     return out.returncode, json.loads(out.stdout)
 
 
