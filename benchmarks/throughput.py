@@ -127,11 +127,14 @@ def _in_memory_batches(dataset, start: int, end: int, batch: int, device) -> lis
     return [(xs[i:i + batch], ys[i:i + batch]) for i in range(0, end - start, batch)]
 
 
-def _bare(model, batches, world_size: int, autocast) -> dict:
+def _bare(model, batches, world_size: int, autocast, device=None) -> dict:
+    """Count and top-1 correct over ``batches`` ((images, labels) on the model's device; ``device``: where to count
+    when ``batches`` is an iterator, else the first batch's device)."""
     import torch
     import torch.distributed as dist
 
-    acc = torch.zeros(2, dtype=torch.int64, device=batches[0][0].device if batches else "cpu")  # count, top-1
+    dev = device if device is not None else (batches[0][0].device if batches else "cpu")
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)  # count, top-1
     with torch.inference_mode():
         for x, y in batches:
             with autocast():
@@ -147,21 +150,9 @@ def _loader(model, loader, world_size: int, autocast) -> dict:
     """The bare loop, its batches read through ``loader`` (a plain DataLoader over the same dataset and shard with
     the job's loader settings) and moved to the model's device: what a hand-written loop over the same files
     gets. On a GPU with JPEG files the loader, not the loop, sets the pace of both this and disteval."""
-    import torch
-    import torch.distributed as dist
-
     dev = next(model.parameters()).device
-    acc = torch.zeros(2, dtype=torch.int64, device=dev)  # count, top-1
-    with torch.inference_mode():
-        for batch in loader:
-            x, y = batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)
-            with autocast():
-                logits = model(x)
-            acc[0] += y.numel()
-            acc[1] += (logits.argmax(1) == y).sum()
-        if world_size > 1:
-            dist.all_reduce(acc)
-    return {"count": int(acc[0]), "top1": int(acc[1]), "top5": None}
+    moved = ((batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)) for batch in loader)
+    return _bare(model, moved, world_size, autocast, dev)
 
 
 def _plain_loader(dataset, bounds: tuple[int, int], cfg, device):

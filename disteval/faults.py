@@ -50,11 +50,12 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from disteval.common import drills
 from disteval.common.drills import simulate_full_disk
 from disteval.common.kernels import ENV as CAPABILITY_ENV
 from disteval.resume import checkpoint_signal
 
-ENV = "DISTEVAL_FAULTS"
+ENV = drills.ENV
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
          "stop": {"batch", "sync"}, "error": {"batch"}, "diskfull": {"batch"}, "preempt": {"batch"},
          "cpu": {"capability"}, "tf32": set(), "stall": {"batch", "seconds"}}

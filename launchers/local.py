@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from disteval.common.allocator import AllocatorChoice
 from disteval.common.liveness import LAUNCHER_PID_ENV
-from disteval.common import netif, startup
+from disteval.common import drills, netif, startup
 from disteval.common.netif import node_id
 from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 from disteval.errors import RendezvousError as RendezvousFailure
@@ -267,18 +267,23 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
 
 _server_made_for: tuple | None = None  # (module, environment) the current fork server was asked for
 ELASTIC_SETS = "TORCHELASTIC_"  # variables elastic's launch sets itself, the same each time (not a new environment)
-HANDED_TO_RANKS = (startup.ENV,)  # set anew for each job; each launch hands them to its ranks (``_rank_main``)
+# set anew for each job (its start time, its fault drills); each launch hands them to its ranks (``_rank_main``)
+HANDED_TO_RANKS = (startup.ENV, drills.ENV)
 
 
-def handed_to_ranks() -> dict[str, str]:
-    """This process's values of ``HANDED_TO_RANKS`` (the job's start time) for the ranks of this launch."""
-    return {name: os.environ[name] for name in HANDED_TO_RANKS if name in os.environ}
+def handed_to_ranks() -> dict[str, str | None]:
+    """This process's values of ``HANDED_TO_RANKS`` for the ranks of this launch (None: not set)."""
+    return {name: os.environ.get(name) for name in HANDED_TO_RANKS}
 
 
-def _rank_main(entry: Callable[..., Any], variables: dict[str, str], *args: Any) -> Any:
+def _rank_main(entry: Callable[..., Any], variables: dict[str, str | None], *args: Any) -> Any:
     """A rank's first step: this launch's ``variables`` (``handed_to_ranks``) into the environment, replacing the
-    fork server's values from the launch it was started for, then ``entry(*args)``."""
-    os.environ.update(variables)
+    fork server's values from the launch it was started for (None: removed), then ``entry(*args)``."""
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     return entry(*args)
 
 

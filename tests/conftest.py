@@ -32,13 +32,14 @@ def sample_tree(root: Path, limit: int | None = None) -> Path:
 
 def run_disteval(*overrides: str, run_dir: Path, timeout: float = 300, env: dict | None = None,
                  cmd: list[str] | None = None, inline: bool = True) -> subprocess.CompletedProcess:
-    """``python -m disteval hydra.run.dir=RUN_DIR *overrides`` from a folder outside the checkout. A world-size-1
-    job without added ``env`` runs in this process (``inline_run``: the same code without a second interpreter)
-    unless ``inline=False`` (a test of the process itself) or DISTEVAL_TESTS_INLINE=0."""
+    """``python -m disteval hydra.run.dir=RUN_DIR *overrides`` from a folder outside the checkout. A job without
+    added ``env`` (or with fault drills only, at world size 2 or more) runs in this process (``inline_run``: the
+    same code without a second interpreter) unless ``inline=False`` (a test of the process itself) or
+    DISTEVAL_TESTS_INLINE=0."""
     from inline_run import inline_ok, run_inline
 
     if inline and inline_ok(overrides, env, cmd):
-        return run_inline([f"hydra.run.dir={run_dir}", *overrides], run_dir.parent, timeout)
+        return run_inline([f"hydra.run.dir={run_dir}", *overrides], run_dir.parent, timeout, env)
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120")
     full_env.update(env or {})
     args = (cmd or [sys.executable, "-m", "disteval"]) + [f"hydra.run.dir={run_dir}", *overrides]

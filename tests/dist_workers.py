@@ -157,6 +157,13 @@ def parent_and_mark() -> tuple[int, str | None, str | None]:
     return os.getppid(), os.environ.get("DISTEVAL_TEST_MARK"), os.environ.get("DISTEVAL_T0")
 
 
+def parent_and_faults() -> tuple[int, str | None]:
+    """A rank's parent pid (its fork server's) and DISTEVAL_FAULTS as the rank sees it (tests/test_fork_server.py)."""
+    import os
+
+    return os.getppid(), os.environ.get("DISTEVAL_FAULTS")
+
+
 def say(text: str) -> None:
     """Write "<text>: rank R to stdout" to the rank's stdout and the same with stderr to its stderr (fds 1 and 2)."""
     import os

@@ -11,8 +11,10 @@ state. What the ranks write to their stdout and stderr (this process's file desc
 server and its forks share) is caught in two files kept for the process and added to the run's output.
 
 ``inline_ok`` says when a call may run here: no multirun or other launcher, no allocator asked for by name (that
-starts a process with another environment), not a node of a multi-node run, no added environment (fault drills
-kill or stop the process they run in), no other command.
+starts a process with another environment), not a node of a multi-node run, no other command, and no added
+environment except fault drills (``DISTEVAL_FAULTS``) at an explicit world size of 2 or more: the drills kill,
+stop or delay the ranks they name, which are then forks of the fork server, never this process, and the launch
+hands the variable to its ranks (``launchers.local.HANDED_TO_RANKS``), so the kept server serves them too.
 """
 from __future__ import annotations
 
@@ -31,9 +33,20 @@ NOT_INLINE = ("-m", "--multirun", "hydra/launcher=", "+hydra/launcher=", "dist.a
               "hydra.launcher.", "--cfg", "--info", "--help", "-c")
 
 
+INLINE_ENV = ("DISTEVAL_FAULTS",)  # added variables a run in this process may have (at world size 2 or more)
+
+
+def _world_size(overrides: tuple[str, ...]) -> int | None:
+    """The ``dist.world_size=N`` the overrides give, else None."""
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("dist.world_size=")]
+    return int(given[-1]) if given and given[-1].isdigit() else None
+
+
 def inline_ok(overrides: tuple[str, ...], env: dict | None, cmd: list[str] | None) -> bool:
     """Whether ``python -m disteval *overrides`` may run in this process (see the module docstring)."""
-    if cmd is not None or env or os.environ.get("DISTEVAL_TESTS_INLINE", "1") == "0":
+    if cmd is not None or os.environ.get("DISTEVAL_TESTS_INLINE", "1") == "0":
+        return False
+    if env and not (set(env) <= set(INLINE_ENV) and (_world_size(overrides) or 0) >= 2):
         return False
     return not any(o == flag or (flag.endswith(("=", ".")) and o.startswith(flag)) for o in overrides
                    for flag in NOT_INLINE)
@@ -145,8 +158,8 @@ def _fds_captured():
             written[fd] = os.pread(f, end - starts[fd], starts[fd]).decode(errors="replace")
 
 
-def run_inline(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m disteval *args`` from ``cwd`` in this process: its exit code, stdout and stderr as a
+def run_inline(args: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m disteval *args`` from ``cwd`` (``env`` added) in this process: its exit code, stdout and stderr as a
     CompletedProcess (an exception the command would print as a traceback gives exit code 1 and the traceback).
     Past ``timeout`` seconds this process prints every thread's stack and ends (a hang must not stall the suite)."""
     import faulthandler
@@ -156,7 +169,7 @@ def run_inline(args: list[str], cwd: Path, timeout: float) -> subprocess.Complet
     from disteval import cli, report
 
     out, err = io.StringIO(), io.StringIO()
-    with _process_state_kept(), as_process(cwd, {"COLUMNS": "120"}, drop=("PYTEST_CURRENT_TEST",)), \
+    with _process_state_kept(), as_process(cwd, {"COLUMNS": "120", **(env or {})}, drop=("PYTEST_CURRENT_TEST",)), \
             _fds_captured() as (ranks_wrote, original_stderr), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
         sys.argv = ["disteval", *args]

@@ -1,13 +1,13 @@
 """The local launcher's fork server (``launchers.local.fork_server``): the ranks of a launch are forks of one
 server, which a later launch of the same process reuses while the entry module and the environment are the
 same, and which is replaced (the old one ending) when the environment changed, so ranks always see the
-environment of the launch that started them; the job's start time (DISTEVAL_T0), new for every job, is handed to
-each launch's ranks without a new server."""
+environment of the launch that started them; the job's start time (DISTEVAL_T0), new for every job, and its fault
+drills (DISTEVAL_FAULTS) are handed to each launch's ranks without a new server."""
 from __future__ import annotations
 
 import os
 
-from dist_workers import parent_and_mark
+from dist_workers import parent_and_faults, parent_and_mark
 
 from disteval.records import pid_alive
 from launchers.local import launch
@@ -34,3 +34,17 @@ def test_one_server_per_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("DISTEVAL_TEST_MARK")
     back, marks = _parents(tmp_path / "d")
     assert back != changed and marks == {None}
+
+
+def test_fault_drills_are_handed_to_each_launch(tmp_path, monkeypatch):
+    """DISTEVAL_FAULTS set for one launch and unset for the next: one server serves both, and the second launch's
+    ranks do not see the first one's drills."""
+    monkeypatch.setenv("DISTEVAL_T0", "1.0")
+    drill = "delay@5:batch=99,seconds=1"  # names no rank of these launches
+    monkeypatch.setenv("DISTEVAL_FAULTS", drill)
+    first = launch(parent_and_faults, (), 2, str(tmp_path / "a"))
+    monkeypatch.delenv("DISTEVAL_FAULTS")
+    second = launch(parent_and_faults, (), 2, str(tmp_path / "b"))
+    assert sorted(first) == sorted(second) == [0, 1]
+    assert {seen for _, seen in first.values()} == {drill} and {seen for _, seen in second.values()} == {None}
+    assert len({parent for parent, _ in first.values()} | {parent for parent, _ in second.values()}) == 1

@@ -1,8 +1,11 @@
 """State that fault drills set in one module and the records writer reads in another (a leaf, so that both
-may import it): a simulated full disk (``DISTEVAL_FAULTS=diskfull@R:batch=K``, see ``disteval.faults``)."""
+may import it): a simulated full disk (``DISTEVAL_FAULTS=diskfull@R:batch=K``, see ``disteval.faults``); the
+drills' variable's name, which the local launcher hands to each launch's ranks."""
 from __future__ import annotations
 
 import threading
+
+ENV = "DISTEVAL_FAULTS"  # the fault drills of a run (``disteval.faults``)
 
 _full = threading.Event()
 
