@@ -51,6 +51,9 @@ def _probe_logits(tmp_path, capability: str) -> np.ndarray:
 
 def _drill(run_dir, *overrides, faults: str | None = None, env: dict | None = None):
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if env is None and not any(k in os.environ for k in ("DISTEVAL_FAULTS", "ATEN_CPU_CAPABILITY")):
+        # only the drill added: at world size 2 or more it runs in this process (tests/inline_run.py)
+        return run_disteval(*overrides, run_dir=run_dir, env={"DISTEVAL_FAULTS": faults} if faults else None)
     full = {k: v for k, v in os.environ.items() if k not in ("DISTEVAL_FAULTS", "ATEN_CPU_CAPABILITY")}
     full.update(env or {})
     if faults:
