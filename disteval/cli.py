@@ -8,6 +8,7 @@ that rank instead of spawning ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -138,6 +139,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     from disteval.config import heterogeneous_policy
     from disteval.faults import apply_at_start
     from disteval.preflight import preflight, preflight_without_kernels
+    from disteval.data.pixel_cache import driver_build_lock
 
     try:
         if external:  # a drill's kernel set (DISTEVAL_FAULTS cpu@R): before this rank's first kernel, the preflight's
@@ -169,7 +171,10 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     driverlog.step(driverlog.launching(external, int(cfg.dist.world_size), choice,
                                        1 if external else int(cfg.dist.nnodes)))
     try:
-        start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
+        # a pixel cache this run builds is its own until the ranks end (another job waits, then reads it)
+        with (driver_build_lock(job.data, lambda m: _err.print(f"disteval: {escape(m)}", soft_wrap=True, highlight=False))
+              if not external else contextlib.nullcontext()):
+            start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc

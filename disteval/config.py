@@ -156,6 +156,13 @@ class DataConfig:
     decode_on_device: imagefolder JPEGs: the loader reads bytes only and the step decodes and transforms each
     batch on the model's device (``torchvision.io.decode_jpeg``, nvJPEG on CUDA; off by default: its pixels
     are close to, not equal to, the host path's).
+    decode: imagefolder images: ``pil`` (Pillow, torchvision's ImageFolder loader: the reference pixels) or
+    ``turbo`` (libjpeg-turbo through simplejpeg with DCT-domain downscaling: faster, pixels may differ; results.json
+    ``compute.decode``). Loader workers ship uint8 [3, crop, crop]; the step normalises on the model's device.
+    cache: ``none``, ``pixels`` (the exact decoded-pixel cache, ``disteval/data/pixel_cache.py``: the first run
+    builds it as it evaluates, later runs read uint8 crops from memory-mapped .npy parts, bit for bit the same
+    pixels) or ``rebuild`` (discard that cache and build it again). cache_dir: where pixel caches live (null:
+    ``$DISTEVAL_CACHE_DIR/pixels``, default ``~/.cache/disteval/pixels``).
     loader_timeout_s: seconds a loader worker may take to deliver one batch (with num_workers > 0; null: wait
     forever): past it the rank fails with a DataError instead of waiting on a stuck worker (a worker whose
     batch cannot be sent never delivers it, and the rank's heartbeat would go on).
@@ -185,6 +192,9 @@ class DataConfig:
     prefetch_factor: int = 4
     persistent_workers: bool = True
     decode_on_device: bool = False
+    decode: str = "pil"
+    cache: str = "none"
+    cache_dir: Optional[str] = None
     loader_timeout_s: Optional[float] = 600.0
 
     def validate(self) -> None:
@@ -198,6 +208,7 @@ class DataConfig:
                               f"{self.name!r} has no encoded images to decode there")
         _at_least("data.limit", self.limit, 1, nullable=True)
         _at_least("data.num_workers", self.num_workers, 0)
+        _check_pixels(self)
         if self.sampler not in SAMPLERS:
             raise ConfigError("data.sampler", f"{self.sampler!r} is not one of {list(SAMPLERS)}")
         if self.name == "webdataset":
@@ -209,6 +220,27 @@ class DataConfig:
             if len(self.mean) != 3 or len(self.std) != 3 or any(v <= 0 for v in self.std):
                 raise ConfigError("data.mean", f"data.mean and data.std need 3 values (RGB), std > 0; got "
                                   f"{list(self.mean)} / {list(self.std)}")
+
+
+DECODERS = ("pil", "turbo")  # disteval.data.pixels
+PIXEL_CACHE_MODES = ("none", "pixels", "rebuild")  # disteval.data.pixel_cache
+
+
+def _check_pixels(data: "DataConfig") -> None:
+    """``data.decode`` / ``data.cache``: known values, imagefolder data only, not with decode_on_device.
+    Raises ConfigError naming the key."""
+    if data.cache not in PIXEL_CACHE_MODES:
+        raise ConfigError("data.cache", f"{data.cache!r} is not one of {list(PIXEL_CACHE_MODES)}")
+    if data.decode not in DECODERS:
+        raise ConfigError("data.decode", f"{data.decode!r} is not one of {list(DECODERS)}")
+    if data.decode == "turbo" and importlib.util.find_spec("simplejpeg") is None:
+        raise ConfigError("data.decode", "turbo needs simplejpeg (libjpeg-turbo): pip install 'disteval[turbo]'")
+    for key, on in (("data.cache", data.cache != "none"), ("data.decode", data.decode != "pil")):
+        if on and data.name != "imagefolder":
+            raise ConfigError(key, f"applies to imagefolder data (decoded JPEG files); data.name={data.name!r}")
+        if on and data.decode_on_device:
+            raise ConfigError(key, "data.decode_on_device=true decodes on the device: the host decoder and the "
+                              "pixel cache do not apply; set one or the other")
 
 
 def _check_webdataset(data: "DataConfig") -> None:

@@ -331,7 +331,16 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
     step = step or (lambda m, x: m(x).float())
     if spec.warmup:
         progress.seconds_warmup = -1.0  # marks: time the first batch apart
-    progress = inference_on_dataset(model, DeviceFeed(loader, spec.device), evaluator, step, progress, hooks)
+    # a pixel cache being built sees the host batches of a whole, fresh shard (not a resumed one)
+    tap = dataset.host_tap(progress.start, progress.end) if hasattr(dataset, "host_tap") and not spec.skip else None
+    try:
+        progress = inference_on_dataset(model, DeviceFeed(loader, spec.device, tap), evaluator, step, progress, hooks)
+    except BaseException:
+        if tap is not None:
+            tap.finish(ok=False)
+        raise
+    if tap is not None:
+        tap.finish(ok=True)
     return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from disteval.data.cache import cache_root, read_npz, say, write_npz
 from disteval.data.device_decode import EncodedImageFolder
+from disteval.data.pixel_cache import pixel_dataset
 from disteval.errors import ConfigError, DataError
 
 DATASETS = ("digits", "fashion_mnist", "imagefolder", "webdataset")
@@ -72,14 +73,24 @@ class IndexedDataset(Dataset):
         """Whether ``fetch_batch`` can cut batches straight out of the base's tensors (a TensorDataset of
         inputs [N, ...] and class indices [N]: digits, fashion_mnist)."""
         base = self.base
+        if hasattr(base, "fetch_batch"):  # a pixel cache (disteval.data.pixel_cache.CachedPixels)
+            return True
         return (isinstance(base, TensorDataset) and len(base.tensors) == 2 and base.tensors[1].ndim == 1
                 and not base.tensors[1].dtype.is_floating_point)
+
+    def host_tap(self, start: int, end: int) -> Any:
+        """The base's tap on the loop's host batches of shard ``[start, end)`` (a pixel cache being built:
+        ``disteval.data.pixel_cache``), or None."""
+        tap = getattr(self.base, "host_tap", None)
+        return tap(start, end) if tap is not None else None
 
     def fetch_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(inputs, targets, sample_ids)`` of ``indices`` at once, equal to the default collation of the items
         (inputs stacked, targets and ids int64): one slice copy when the indices are one ascending run, else one
         gather. A copy, never a view, so a model that writes into its input cannot change the dataset. Only for
         ``in_memory`` datasets."""
+        if hasattr(self.base, "fetch_batch"):
+            return self.base.fetch_batch(indices)
         x, y = self.base.tensors
         lo, n = indices[0], len(indices)
         if indices[-1] - lo + 1 == n and all(b == a + 1 for a, b in zip(indices, indices[1:])):
@@ -284,11 +295,8 @@ def build_dataset(data: Any) -> tuple[IndexedDataset, int]:
     elif data.decode_on_device:  # bytes only: the step decodes on the model's device
         base = EncodedImageFolder(data.root)
         num_classes = len(base.classes)
-    else:
-        from torchvision.datasets import ImageFolder
-
-        tf = imagenet_eval_transform(data.resize_size, data.crop_size, data.mean, data.std)
-        base = ImageFolder(data.root, transform=tf)
+    else:  # uint8 pixels, from the files or the pixel cache; the step normalises them on the device
+        base = pixel_dataset(data)
         num_classes = len(base.classes)
     return IndexedDataset(base, data.limit), num_classes
 

@@ -3,7 +3,7 @@ targets) on a CUDA side stream while the current batch computes; sample ids stay
 per-rank loop (``disteval.loop``)."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -17,8 +17,8 @@ class DeviceFeed:
     batches pass through unchanged (the task's step moves them). Sample ids stay on the host: coverage and
     progress count them there. Batches are ``(inputs, targets, ids)`` tuples or ``StreamBatch``es."""
 
-    def __init__(self, loader: Iterable, device: torch.device):
-        self.loader, self.device = loader, torch.device(device)
+    def __init__(self, loader: Iterable, device: torch.device, tap: Callable[[Any], None] | None = None):
+        self.loader, self.device, self.tap = loader, torch.device(device), tap
         self.batches: Iterator | None = None  # the loader's iterator of the pass in progress (its workers)
 
     def __len__(self) -> int:
@@ -26,13 +26,15 @@ class DeviceFeed:
 
     def __iter__(self) -> Iterator:
         self.batches = iter(self.loader)
+        # the tap sees each host batch before it moves (a pixel cache being built)
+        source = _tapped(self.batches, self.tap) if self.tap is not None else self.batches
         if self.device.type != "cuda":
-            yield from self.batches
+            yield from source
             return
         side = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)
         ahead = None
-        for batch in self.batches:
+        for batch in source:
             side.wait_stream(compute)  # buffers the compute stream freed may be reused by the copy
             with torch.cuda.stream(side):
                 moved = _batch_to(batch, self.device)
@@ -43,6 +45,21 @@ class DeviceFeed:
             ahead = moved
         if ahead is not None:
             yield ahead
+
+
+class _tapped:
+    """An iterator of ``batches`` that calls ``tap(batch)`` on each."""
+
+    def __init__(self, batches: Iterator, tap: Callable[[Any], None]):
+        self._it, self._tap = batches, tap
+
+    def __iter__(self) -> "_tapped":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._it)
+        self._tap(batch)
+        return batch
 
 
 def _batch_to(batch: Any, device: torch.device) -> Any:

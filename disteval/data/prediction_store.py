@@ -30,7 +30,7 @@ from disteval.errors import ConfigError, DataError
 SCHEMA_VERSION = 1
 MANIFEST = "_manifest.json"
 # the data settings that decide what the model saw (root and loader settings excluded: the same images elsewhere)
-PREPROCESSING_KEYS = ("name", "split", "limit", "resize_size", "crop_size", "mean", "std", "decode_on_device")
+PREPROCESSING_KEYS = ("name", "split", "limit", "resize_size", "crop_size", "mean", "std", "decode_on_device", "decode")
 
 
 def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor, topk: int,
@@ -51,7 +51,7 @@ def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: to
 def preprocessing_values(data_cfg: Any) -> dict:
     """The data settings in ``PREPROCESSING_KEYS`` as plain values (the manifest keeps them, so that a refusal
     names the setting that differs)."""
-    return json.loads(json.dumps({k: plain(getattr(data_cfg, k)) for k in PREPROCESSING_KEYS}, default=str))
+    return json.loads(json.dumps({k: plain(getattr(data_cfg, k, None)) for k in PREPROCESSING_KEYS}, default=str))
 
 
 def preprocessing_digest(data_cfg: Any) -> str:

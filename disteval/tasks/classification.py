@@ -11,6 +11,8 @@ from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_
 from disteval.data.prediction_columns import classification_schema
 from disteval.data.prediction_store import classification_columns, load_store, read_manifest
 from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
+from disteval.data.pixel_cache import preflight_cache
+from disteval.data.pixels import PixelNormalizer
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
 from disteval.metrics.bootstrap import CI_PROBS_MAX_CLASSES, SampleColumns
@@ -39,6 +41,8 @@ class ClassificationTask(Task):
         data = cfg.data
         self._decoder = (DeviceDecoder(data.resize_size, data.crop_size, data.mean, data.std)
                          if data.decode_on_device else None)
+        # imagefolder batches arrive as uint8 pixels (from the files or the pixel cache): normalised on the device
+        self._normalize = PixelNormalizer(data.mean, data.std) if data.name == "imagefolder" else None
 
     @property
     def num_classes(self) -> int:
@@ -62,6 +66,9 @@ class ClassificationTask(Task):
                               "(Task.rank_metric): it needs classification in eval.metrics")
         check_data_root(cfg.data)
         prepare_data(cfg.data, notes)
+        cache_line = preflight_cache(cfg.data)
+        if cache_line:
+            notes.append(cache_line)
         data_classes = dataset_num_classes(cfg.data)
         if data_classes is not None and self.num_classes != data_classes:
             raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",
@@ -89,10 +96,14 @@ class ClassificationTask(Task):
 
     def step(self, model: torch.nn.Module, inputs: Any, device: torch.device) -> torch.Tensor:
         """``model(inputs)`` on ``device`` as float32; an ``EncodedImages`` batch (``data.decode_on_device``)
-        is decoded and transformed on ``device`` first (``DeviceDecoder``)."""
+        is decoded and transformed on ``device`` first (``DeviceDecoder``), uint8 pixels [B, 3, H, W] (imagefolder)
+        are normalised there (``PixelNormalizer``: the floats of the host transform, bit for bit)."""
         if isinstance(inputs, EncodedImages):
             inputs = self._decoder(inputs, device)
-        return model(inputs.to(device, non_blocking=True)).float()
+        inputs = inputs.to(device, non_blocking=True)
+        if self._normalize is not None:
+            inputs = self._normalize(inputs)
+        return model(inputs).float()
 
     def metric(self) -> MetricCollection:
         opt = self.cfg.eval.classification

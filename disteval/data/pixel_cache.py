@@ -1,0 +1,485 @@
+"""The exact decoded-pixel cache (``data.cache=pixels``): decode once, evaluate forever.
+
+An imagefolder dataset's eval transform (decode, resize, center crop; ``disteval.data.pixels``) is deterministic,
+so its uint8 output can be stored once and read at memory speed by every later run, sweep job, checkpoint set and
+re-score of the same files and transform, bit for bit the pixels the JPEG path makes.
+
+Layout, one folder per (dataset root, preprocessing) under ``data.cache_dir`` (default ``CACHE/pixels``)::
+
+    <root name>-<key>/manifest.json           the preprocessing settings and their digest (``key``), the library
+                                              versions that make the pixels, the file list (path, class, size)
+    <root name>-<key>/parts/<a>-<b>.npy       uint8 [b - a, 3, crop, crop] of samples a .. b-1 (numpy .npy,
+                                              memory-mapped when read)
+    <root name>-<key>/parts/<a>-<b>.json      the part's record: xxh3-128 of each block of BLOCK rows, xxh3-64
+                                              of each source file's bytes, who built it; written last: a part
+                                              without its record does not exist
+    <root name>-<key>/build.lock              flock'd by the driver of the run that builds (``build_lock``)
+
+The ranks of the first run that asks build it: each rank writes the pixels of its own shard as its loop passes
+them (``PartWriter``, fed by the loop's host tap: no second decode) into a temporary file and publishes it with
+``os.replace`` when the shard is complete. Parts of any world size combine: a reader covers [0, N) with whichever
+parts exist (``cover``), so a cache built at W = 3 serves W = 1, 2, 8 alike. A reader checks each block's digest
+the first time it touches it; a block that differs is named with both digests, its part moved aside
+(``*.corrupt``, rebuilt by the next run) and the rank fails: damaged bytes are never read as pixels."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from disteval.data.cache import cache_root
+from disteval.errors import ConfigError, DataError
+
+FORMAT = 1
+BLOCK = 256  # rows per digest block
+CACHE_MODES = ("none", "pixels", "rebuild")
+
+
+def _xxh3_128(buf: Any) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(buf).hexdigest()
+
+
+def library_versions(decode: str) -> dict:
+    """The versions of what makes the pixels (a different Pillow may resize with other rounding)."""
+    import PIL
+    import torchvision
+
+    out = {"pillow": PIL.__version__, "torchvision": torchvision.__version__.split("+")[0]}
+    if decode == "turbo":
+        import simplejpeg
+
+        out["simplejpeg"] = simplejpeg.__version__
+    return out
+
+
+def settings_of(data: Any) -> dict:
+    """The preprocessing that decides the pixels: decoder, resize, crop, dtype, layout and library versions."""
+    decode = str(getattr(data, "decode", "pil"))
+    return {"format": FORMAT, "decode": decode, "resize_size": int(data.resize_size), "crop_size": int(data.crop_size),
+            "interpolation": "bilinear", "antialias": True, "dtype": "uint8", "layout": "NCHW",
+            "libraries": library_versions(decode)}
+
+
+def file_list(samples: list[tuple[str, int]], root: str) -> list[list]:
+    """``[[path relative to root, class index, size in bytes], ...]`` of ImageFolder ``samples``."""
+    base = Path(root)
+    return [[str(Path(p).relative_to(base)), int(c), os.stat(p).st_size] for p, c in samples]
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class Part:
+    """A published part: samples ``[start, end)`` in ``npy`` with its record ``meta``."""
+
+    start: int
+    end: int
+    npy: Path
+    meta: dict
+
+
+class PixelCache:
+    """The cache of one dataset root and preprocessing (see the module's text).
+
+    Args: data: the ``data`` config (root, resize_size, crop_size, decode, cache_dir); samples: ImageFolder's
+    ``(path, class)`` list in dataset order. ``folder``: where it lives; ``manifest``: what it must hold."""
+
+    def __init__(self, data: Any, samples: list[tuple[str, int]], classes: list[str]):
+        root = str(Path(data.root).resolve())
+        settings = settings_of(data)
+        key = _digest({"root": root, "settings": settings})[:16]
+        base = Path(data.cache_dir) if getattr(data, "cache_dir", None) else cache_root() / "pixels"
+        self.folder = base / f"{Path(root).name or 'root'}-{key}"
+        self.crop = settings["crop_size"]
+        files = file_list(samples, root)
+        self.manifest = {"settings": settings, "settings_digest": _digest(settings), "root": root, "classes": classes,
+                         "num_samples": len(files), "shape": [3, self.crop, self.crop], "dtype": "uint8",
+                         "files_digest": _digest(files), "files": files}
+
+    @property
+    def parts_dir(self) -> Path:
+        return self.folder / "parts"
+
+    # --- the manifest ---------------------------------------------------------------------------------------------
+    def difference(self) -> str | None:
+        """None when the folder's manifest (if any) describes this data and transform; else the first difference,
+        named (a setting, a library version, a file added, removed or of another size)."""
+        path = self.folder / "manifest.json"
+        if not path.exists():
+            return None
+        try:
+            have = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            return f"{path} does not load ({type(exc).__name__}: {exc})"
+        want = self.manifest
+        for k, v in want["settings"].items():
+            if have.get("settings", {}).get(k) != v:
+                return f"preprocessing {k}: the cache has {have.get('settings', {}).get(k)!r}, this run {v!r}"
+        if have.get("classes") != want["classes"]:
+            return f"classes: the cache has {len(have.get('classes') or [])}, {want['root']} has {len(want['classes'])}"
+        if have.get("files_digest") != want["files_digest"]:
+            old = {f[0]: f for f in have.get("files", [])}
+            new = {f[0]: f for f in want["files"]}
+            added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+            if added or removed:
+                return (f"files: {len(added)} added (first: {added[:1]}), {len(removed)} removed (first: {removed[:1]}) "
+                        f"since the cache was built")
+            changed = [p for p in new if old[p] != new[p]]
+            if changed:
+                p = changed[0]
+                return f"file {p}: class/size {old[p][1:]} in the cache, {new[p][1:]} now ({len(changed)} files differ)"
+            return "the file list's order differs"
+        return None
+
+    def ensure_manifest(self) -> None:
+        """Write manifest.json (atomically) unless it exists. Raises ConfigError naming data.cache when an
+        existing one describes other data or another transform (``difference``)."""
+        problem = self.difference()
+        if problem:
+            raise ConfigError("data.cache", f"the pixel cache {self.folder} was built from other data or another "
+                              f"transform: {problem}. Delete that folder or run with data.cache=rebuild")
+        path = self.folder / "manifest.json"
+        if not path.exists():
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, json.dumps(self.manifest).encode())
+
+    def clear(self) -> None:
+        """Remove the manifest and every part (``data.cache=rebuild``)."""
+        if self.parts_dir.is_dir():
+            for p in self.parts_dir.iterdir():
+                p.unlink(missing_ok=True)
+        (self.folder / "manifest.json").unlink(missing_ok=True)
+
+    # --- parts ----------------------------------------------------------------------------------------------------
+    def parts(self) -> list[Part]:
+        """The published parts (a record and its .npy), in no particular order."""
+        out = []
+        if not self.parts_dir.is_dir():
+            return out
+        for rec in self.parts_dir.glob("*.json"):
+            npy = rec.with_suffix(".npy")
+            try:
+                meta = json.loads(rec.read_text())
+                out.append(Part(int(meta["start"]), int(meta["end"]), npy, meta))
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
+    def cover(self, n: int) -> list[Part] | None:
+        """Parts that cover samples [0, n) end to end (at each position the part reaching furthest), or None
+        while some range has no part."""
+        parts, pos, out = self.parts(), 0, []
+        while pos < n:
+            best = max((p for p in parts if p.start <= pos < p.end), key=lambda p: p.end, default=None)
+            if best is None:
+                return None
+            out.append(best)
+            pos = best.end
+        return out
+
+    def complete(self, n: int) -> bool:
+        """Whether the manifest matches and parts cover [0, n)."""
+        return (self.folder / "manifest.json").exists() and self.difference() is None and self.cover(n) is not None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class PartWriter:
+    """Writes this rank's shard ``[start, end)`` of pixels into a temporary memory-mapped .npy in the cache's
+    parts folder as batches pass (``write``), and publishes it (``publish``: block digests, record, two
+    ``os.replace``) once every row was written. A pass that ends early (a failure, a resumed shard) publishes
+    nothing and removes its temporary file (``discard``)."""
+
+    def __init__(self, cache: PixelCache, start: int, end: int, who: dict):
+        self.cache, self.start, self.end, self.who = cache, int(start), int(end), who
+        cache.parts_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parts_dir, prefix=f".{start}-{end}.", suffix=".npy.tmp")
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.rows = np.lib.format.open_memmap(self.tmp, mode="w+", dtype=np.uint8,
+                                              shape=(self.end - self.start, 3, cache.crop, cache.crop))
+        self.written = np.zeros(self.end - self.start, dtype=bool)
+        self.source_digests: torch.Tensor | None = None  # int64 [N] shared with the loader workers (PixelFolder)
+
+    def write(self, pixels: torch.Tensor, ids: torch.Tensor) -> None:
+        """Rows ``ids`` (global sample ids, int64 [B]) get ``pixels`` (uint8 [B, 3, crop, crop], host)."""
+        if pixels.dtype != torch.uint8 or pixels.device.type != "cpu":
+            return
+        pos = ids.numpy() - self.start
+        ok = (pos >= 0) & (pos < len(self.written))
+        if not ok.all():
+            pos, pixels = pos[ok], pixels[torch.from_numpy(ok)]
+        lo = int(pos[0]) if len(pos) else 0
+        if len(pos) and int(pos[-1]) - lo + 1 == len(pos):  # one ascending run: one slice assignment
+            self.rows[lo:lo + len(pos)] = pixels.numpy()
+        else:
+            self.rows[pos] = pixels.numpy()
+        self.written[pos] = True
+
+    def __call__(self, batch: Any) -> None:
+        """The loop's host tap: a loader batch ``(pixels, targets, ids)``."""
+        self.write(batch[0], batch[2])
+
+    def finish(self, ok: bool) -> None:
+        """After the pass: publish when it ended normally with every row written, else discard."""
+        if ok:
+            self.publish()
+        else:
+            self.discard()
+
+    def publish(self) -> Part | None:
+        """Publish the part if every row was written; returns it (None otherwise, temporary file removed)."""
+        if not self.written.all():
+            self.discard()
+            return None
+        self.rows.flush()
+        blocks = [_xxh3_128(np.ascontiguousarray(self.rows[i:i + BLOCK]).data)
+                  for i in range(0, len(self.written), BLOCK)]
+        del self.rows
+        name = f"{self.start}-{self.end}"
+        npy, rec = self.cache.parts_dir / f"{name}.npy", self.cache.parts_dir / f"{name}.json"
+        sources = None
+        if self.source_digests is not None:
+            sources = [format(int(v) + (1 << 63), "016x") for v in self.source_digests[self.start:self.end].tolist()]
+        meta = {"start": self.start, "end": self.end, "block_rows": BLOCK, "block_digests": blocks,
+                "sources": sources, "settings_digest": self.cache.manifest["settings_digest"],
+                "files_digest": self.cache.manifest["files_digest"], "built": {**self.who, "time": time.time()}}
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, npy)
+        _write_atomic(rec, json.dumps(meta).encode())
+        return Part(self.start, self.end, npy, meta)
+
+    def discard(self) -> None:
+        with contextlib.suppress(AttributeError):
+            del self.rows
+        self.tmp.unlink(missing_ok=True)
+
+
+class CachedPixels:
+    """A cache's pixels as a dataset: items ``(uint8 [3, crop, crop], class index)`` read from the memory-mapped
+    parts that ``cover`` [0, n); ``fetch_batch`` cuts whole batches (one copy per part touched). Each block's
+    xxh3-128 is checked the first time this process touches it (``DataError`` naming the part, the rows and both
+    digests, the part moved aside as ``*.corrupt`` so that the next run rebuilds it). ``samples``/``classes``/
+    ``targets`` as ImageFolder's. Raises DataError when a part's .npy does not open as the recorded shape."""
+
+    def __init__(self, cache: PixelCache, n: int):
+        parts = cache.cover(n)
+        if parts is None:
+            raise DataError(f"the pixel cache {cache.folder} does not cover samples [0, {n})")
+        self.cache, self.n = cache, n
+        m = cache.manifest
+        self.classes = m["classes"]
+        self.samples = [(str(Path(m["root"]) / p), c) for p, c, _ in m["files"]]
+        self.targets = torch.tensor([c for _, c, _ in m["files"]], dtype=torch.int64)
+        self.parts = parts
+        self.starts = np.array([p.start for p in parts])
+        self._arrays: dict[int, np.ndarray] = {}
+        self._checked: set[tuple[int, int]] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _array(self, k: int) -> np.ndarray:
+        arr = self._arrays.get(k)
+        if arr is None:
+            p = self.parts[k]
+            want = (p.end - p.start, 3, self.cache.crop, self.cache.crop)
+            try:
+                arr = np.load(p.npy, mmap_mode="r")
+            except (OSError, ValueError) as exc:
+                self._quarantine(p)
+                raise DataError(f"pixel cache part {p.npy} does not open ({type(exc).__name__}: {exc}): moved aside, "
+                                "the next run rebuilds it") from exc
+            if arr.shape != want or arr.dtype != np.uint8:
+                self._quarantine(p)
+                raise DataError(f"pixel cache part {p.npy} holds {arr.dtype} {arr.shape}, its record says uint8 {want}: "
+                                "moved aside, the next run rebuilds it")
+            self._arrays[k] = arr
+        return arr
+
+    def _check(self, k: int, row_lo: int, row_hi: int) -> None:
+        """Verify the digests of part k's blocks holding local rows [row_lo, row_hi) not yet checked."""
+        p, arr = self.parts[k], self._array(k)
+        b = int(p.meta["block_rows"])
+        for blk in range(row_lo // b, (row_hi - 1) // b + 1):
+            if (k, blk) in self._checked:
+                continue
+            want = p.meta["block_digests"][blk]
+            got = _xxh3_128(np.ascontiguousarray(arr[blk * b:(blk + 1) * b]).data)
+            if got != want:
+                self._quarantine(p)
+                raise DataError(f"pixel cache part {p.npy}: rows {p.start + blk * b}..{min(p.end, p.start + (blk + 1) * b) - 1}"
+                                f" have xxh3-128 {got}, the record says {want} (the file was changed or damaged): "
+                                "moved aside, the next run rebuilds it; these bytes were not used as pixels")
+            self._checked.add((k, blk))
+
+    def _quarantine(self, p: Part) -> None:
+        self._arrays.pop(next((k for k, q in enumerate(self.parts) if q is p), -1), None)
+        for f in (p.npy.with_suffix(".json"), p.npy):
+            with contextlib.suppress(OSError):
+                os.replace(f, f.with_name(f.name + ".corrupt"))
+
+    def _rows(self, lo: int, hi: int) -> Iterator[np.ndarray]:
+        """The rows [lo, hi) as views of the parts, checked."""
+        while lo < hi:
+            k = int(np.searchsorted(self.starts, lo, side="right")) - 1
+            p = self.parts[k]
+            top = min(hi, p.end)
+            self._check(k, lo - p.start, top - p.start)
+            yield self._array(k)[lo - p.start:top - p.start]
+            lo = top
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        [rows] = list(self._rows(index, index + 1))
+        return torch.from_numpy(np.array(rows[0])), int(self.targets[index])
+
+    def fetch_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(uint8 [B, 3, crop, crop], targets int64 [B], ids int64 [B])``, a copy (never a view of the file)."""
+        lo, n = indices[0], len(indices)
+        if indices[-1] - lo + 1 == n and all(b == a + 1 for a, b in zip(indices, indices[1:])):
+            chunks = list(self._rows(lo, lo + n))
+            x = torch.from_numpy(np.concatenate(chunks) if len(chunks) > 1 else np.array(chunks[0]))
+            ids = torch.arange(lo, lo + n, dtype=torch.int64)
+            return x, self.targets[lo:lo + n].clone(), ids
+        x = torch.stack([self[i][0] for i in indices])
+        idx = torch.tensor(indices, dtype=torch.int64)
+        return x, self.targets.index_select(0, idx), idx
+
+
+@contextlib.contextmanager
+def build_lock(cache: PixelCache, say: Callable[[str], None], wait_s: float = 24 * 3600.0) -> Iterator[bool]:
+    """The driver's exclusive right to build ``cache`` for the length of its run: ``flock`` on build.lock (the
+    kernel drops it when the process ends, however it ends). Another job's driver that finds it held says whose
+    it is and waits (up to ``wait_s``) before its ranks start, then finds the cache complete and reads it: two
+    jobs never both build. Yields True when this driver holds the lock."""
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    path = cache.folder / "build.lock"
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip() or "another job"
+            say(f"pixel cache {cache.folder} is being built by {owner}: waiting for it")
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ConfigError("data.cache", f"the pixel cache {cache.folder} was still being built by "
+                                          f"{owner} after {wait_s:.0f} s") from None
+                    time.sleep(0.5)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def pixel_dataset(data: Any) -> Any:
+    """The uint8 pixel dataset of imagefolder ``data``: ``CachedPixels`` when ``data.cache=pixels`` and the
+    cache covers the samples, else a ``PixelFolder`` (decoding the files) which, with ``data.cache`` set,
+    builds the cache as it goes (``PixelFolder.host_tap`` -> ``PartWriter``). Raises ConfigError (bad keys,
+    a cache of other data) or DataError (a damaged part)."""
+    from disteval.data.pixels import PixelFolder
+
+    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(getattr(data, "decode", "pil")))
+    mode = str(getattr(data, "cache", "none"))
+    if mode == "none":
+        return folder
+    cache = PixelCache(data, folder.samples, folder.classes)
+    n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
+    if cache.complete(n):
+        return CachedPixels(cache, n)
+    cache.ensure_manifest()
+
+    def writer(dataset: Any, start: int, end: int) -> PartWriter | None:
+        if start >= end or (cache.parts_dir / f"{start}-{end}.json").exists() or cache.complete(n):
+            return None
+        w = PartWriter(cache, start, end, {"pid": os.getpid(), "host": socket.gethostname(),
+                                           "rank": int(os.environ.get("RANK", 0)),
+                                           "world_size": int(os.environ.get("WORLD_SIZE", 1))})
+        w.source_digests = dataset.source_digests
+        return w
+
+    folder.cache_writer = writer
+    return folder
+
+
+def _cache_of(data: Any) -> tuple[PixelCache, int]:
+    from disteval.data.pixels import PixelFolder
+
+    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(getattr(data, "decode", "pil")))
+    n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
+    return PixelCache(data, folder.samples, folder.classes), n
+
+
+def preflight_cache(data: Any) -> str | None:
+    """Driver-side, before any rank starts, for imagefolder ``data`` with ``data.cache`` set: a line saying what
+    the run will do with the cache (read it, or build it), None without a cache. Raises ConfigError naming
+    data.cache when the folder holds a cache of other data or another transform (``data.cache=rebuild``
+    discards it instead, under the build lock)."""
+    if str(getattr(data, "cache", "none")) == "none" or data.name != "imagefolder":
+        return None
+    cache, n = _cache_of(data)
+    if str(data.cache) == "rebuild":
+        return f"data.cache=rebuild: the pixel cache {cache.folder} is discarded and built again by this run"
+    cache.ensure_manifest()
+    if cache.complete(n):
+        return f"data.cache=pixels: reading the pixels of {n} images from {cache.folder}"
+    return (f"data.cache=pixels: this run decodes the {n} images and builds the pixel cache {cache.folder} "
+            "as it goes; later runs of the same files and transform read it")
+
+
+@contextlib.contextmanager
+def driver_build_lock(data: Any, say: Callable[[str], None]) -> Iterator[None]:
+    """Around the driver's launch: with ``data.cache`` set and the cache incomplete (or ``rebuild``), hold its
+    ``build_lock`` for the run (waiting for another job that builds it); ``rebuild`` clears the old parts once the
+    lock is held. A no-op otherwise."""
+    mode = str(getattr(data, "cache", "none"))
+    if mode == "none" or data.name != "imagefolder":
+        yield
+        return
+    cache, n = _cache_of(data)
+    if mode == "pixels" and cache.complete(n):
+        yield
+        return
+    with build_lock(cache, say):
+        if mode == "rebuild":
+            cache.clear()
+            cache.ensure_manifest()
+        yield

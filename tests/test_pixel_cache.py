@@ -1,0 +1,252 @@
+"""The uint8 host path and the exact decoded-pixel cache (issue 42 points 2, 3, 5): pixels normalised on the device
+equal torchvision's float transform bit for bit; metrics from the cache equal the JPEG path's at W = 1, 2, 3 and
+several loader worker counts (bitwise mode); a damaged, truncated or foreign cache is named and never read as
+pixels; two jobs never both build it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, SAMPLE, load_results, run_disteval
+
+pytestmark = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"needs the shipped ImageNet sample at {SAMPLE}")
+
+N, CLASSES = 48, 6
+RESIZE, CROP = 72, 64
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_imagenet_like", REPO / "scripts" / "make_imagenet_like.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """N ImageNet-val-like JPEGs in CLASSES class folders (the generator, on CLASSES source images)."""
+    src = tmp_path_factory.mktemp("src")
+    for f in sorted(SAMPLE.glob("n*_*.jpg"))[:CLASSES]:
+        (src / f.name).symlink_to(f)
+    root = tmp_path_factory.mktemp("tree")
+    _generator().make_tree(root, N, seed=1, sample=src, jobs=1)
+    return root
+
+
+def _job(root: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return ["data=imagefolder", f"data.root={root}", "model.name=mobilenet_v3_small", "model.weights=null",
+            f"model.num_classes={CLASSES}", f"data.resize_size={RESIZE}", f"data.crop_size={CROP}", "data.batch_size=8",
+            f"data.cache_dir={cache_dir}", "eval.metrics=[classification,ranking]", *extra]
+
+
+def _metrics(run_dir: Path, proc) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return load_results(run_dir)["metrics"]
+
+
+def test_generator_makes_imagenet_val_sized_photographs(tree):
+    from PIL import Image
+
+    files = sorted(tree.glob("*/*.JPEG"))
+    assert len(files) == N and len({f.parent.name for f in files}) == CLASSES
+    sizes = np.array([Image.open(f).size for f in files])
+    assert np.median(sizes.max(1)) == 500 and 300 <= np.median(sizes.min(1)) <= 375
+    # photograph tiles, not a smooth upscale: tens of kB per image at quality 90
+    assert np.median([f.stat().st_size for f in files]) > 30_000
+    # seeded: the same call writes the same bytes
+    again = _generator()
+    assert again.image_size(np.random.default_rng([1, 5])) == again.image_size(np.random.default_rng([1, 5]))
+
+
+def test_uint8_pixels_normalised_on_the_device_equal_torchvision_float_transform(tree):
+    """PixelFolder (loader workers ship uint8) + PixelNormalizer == ImageFolder + the float eval transform,
+    bit for bit, image by image and as a batch."""
+    from torchvision.datasets import ImageFolder
+
+    from disteval.data.datasets import imagenet_eval_transform
+    from disteval.data.pixels import PixelFolder, PixelNormalizer
+
+    ref = ImageFolder(str(tree), transform=imagenet_eval_transform(RESIZE, CROP, MEAN, STD))
+    pix = PixelFolder(str(tree), RESIZE, CROP, "pil")
+    norm = PixelNormalizer(MEAN, STD)
+    assert pix.samples == ref.samples
+    want = torch.stack([ref[i][0] for i in range(N)])
+    x = torch.stack([pix[i][0] for i in range(N)])
+    assert x.dtype == torch.uint8 and x.shape == (N, 3, CROP, CROP)
+    got = norm(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(norm(x[3]).view(torch.int32), want[3].view(torch.int32))
+    assert torch.equal(norm(x.contiguous(memory_format=torch.channels_last)).view(torch.int32), want.view(torch.int32))
+    t = pix.clock.totals()
+    assert t["items"] == N and all(t[s] > 0 for s in ("read", "decode", "transform"))
+
+
+def test_cache_metrics_equal_the_jpeg_path_at_every_world_size(tree, tmp_path):
+    """W=1 from the files is the reference; a W=3 run with 2 workers builds the cache as it evaluates; W=1, W=2
+    (whole-batch reads) and W=2 with 2 workers (per-item reads) read it: every metric ==."""
+    cache = tmp_path / "cache"
+    ref = _metrics(tmp_path / "ref", run_disteval(*_job(tree, cache, "dist.world_size=1"), run_dir=tmp_path / "ref"))
+    build = tmp_path / "build"
+    proc = run_disteval(*_job(tree, cache, "data.cache=pixels", "dist.world_size=3", "data.num_workers=2"), run_dir=build)
+    assert _metrics(build, proc) == ref
+    assert "builds the pixel cache" in proc.stderr
+    res = load_results(build)
+    assert res["compute"]["pixel_cache"] == "pixels" and res["compute"]["decode"] == "pil"
+    [folder] = list(cache.iterdir())
+    parts = sorted(json.loads(p.read_text())["start"] for p in (folder / "parts").glob("*.json"))
+    assert parts == [0, 16, 32]  # one part per rank of the W=3 build (batch-aligned shards of 8)
+    for w, workers in ((1, 0), (2, 0), (2, 2)):
+        run = tmp_path / f"read{w}{workers}"
+        proc = run_disteval(*_job(tree, cache, "data.cache=pixels", f"dist.world_size={w}", f"data.num_workers={workers}"),
+                            run_dir=run)
+        assert _metrics(run, proc) == ref, (w, workers)
+        assert "reading the pixels of 48 images" in proc.stderr
+
+
+def _cache(tree: Path, cache_dir: Path):
+    from disteval.data.pixel_cache import PixelCache
+    from disteval.data.pixels import PixelFolder
+
+    folder = PixelFolder(str(tree), RESIZE, CROP)
+    data = OmegaConf.create({"root": str(tree), "resize_size": RESIZE, "crop_size": CROP, "decode": "pil",
+                             "cache_dir": str(cache_dir)})
+    return PixelCache(data, folder.samples, folder.classes), folder
+
+
+def _build(tree: Path, cache_dir: Path, bounds=((0, 20), (20, N))):
+    """Build the cache in this process with PartWriters (what the ranks' taps do), one per shard."""
+    from disteval.data.pixel_cache import PartWriter
+
+    cache, folder = _cache(tree, cache_dir)
+    cache.ensure_manifest()
+    for a, b in bounds:
+        w = PartWriter(cache, a, b, {"test": True})
+        w.write(torch.stack([folder[i][0] for i in range(a, b)]), torch.arange(a, b))
+        assert w.publish() is not None
+    return cache, folder
+
+
+def test_cached_pixels_equal_the_files_and_any_cover_serves(tree, tmp_path):
+    from disteval.data.pixel_cache import CachedPixels
+
+    cache, folder = _build(tree, tmp_path, bounds=((0, 20), (20, 40)))
+    assert cache.cover(N) is None and not cache.complete(N) and cache.cover(40) is not None
+    _build(tree, tmp_path, bounds=((0, 30), (30, N)))  # another world size's parts: any cover will do
+    cp = CachedPixels(cache, N)
+    want = torch.stack([folder[i][0] for i in range(N)])
+    x, y, ids = cp.fetch_batch(list(range(15, 35)))  # across parts
+    assert torch.equal(x, want[15:35]) and torch.equal(ids, torch.arange(15, 35))
+    assert y.tolist() == [folder.samples[i][1] for i in range(15, 35)]
+    assert torch.equal(cp[47][0], want[47]) and torch.equal(cp.fetch_batch([5, 2, 40])[0], want[[5, 2, 40]])
+
+
+def test_a_damaged_part_is_named_by_digest_moved_aside_and_never_read(tree, tmp_path):
+    from disteval.data.pixel_cache import CachedPixels
+    from disteval.errors import DataError
+
+    cache, _ = _build(tree, tmp_path)
+    npy = cache.parts_dir / f"20-{N}.npy"
+    with open(npy, "r+b") as f:  # one pixel of sample 30 flipped
+        f.seek(-(N - 30) * 3 * CROP * CROP, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    cp = CachedPixels(cache, N)
+    assert cp.fetch_batch(list(range(0, 8)))[0].shape[0] == 8  # the sound part still serves
+    with pytest.raises(DataError, match=r"rows 20\.\.47 have xxh3-128 [0-9a-f]{32}, the record says [0-9a-f]{32}"):
+        cp.fetch_batch(list(range(24, 32)))
+    assert not npy.exists() and (cache.parts_dir / f"20-{N}.npy.corrupt").exists()
+    assert not cache.complete(N)  # the next run rebuilds the range
+
+
+def test_a_truncated_part_is_named(tree, tmp_path):
+    from disteval.data.pixel_cache import CachedPixels
+    from disteval.errors import DataError
+
+    cache, _ = _build(tree, tmp_path)
+    npy = cache.parts_dir / "0-20.npy"
+    data = npy.read_bytes()
+    npy.write_bytes(data[:len(data) // 2])
+    with pytest.raises(DataError, match="0-20.npy does not open"):
+        CachedPixels(cache, N).fetch_batch([0, 1])
+    assert not cache.complete(N)
+
+
+def test_a_cache_of_other_files_or_another_transform_is_refused_naming_the_difference(tree, tmp_path):
+    from disteval.errors import ConfigError
+
+    cache, _ = _build(tree, tmp_path)
+    manifest = json.loads((cache.folder / "manifest.json").read_text())
+    bad = dict(manifest, files=[[p, c, s + 1 if i == 7 else s] for i, (p, c, s) in enumerate(manifest["files"])])
+    bad["files_digest"] = "x"
+    (cache.folder / "manifest.json").write_text(json.dumps(bad))
+    fresh, _ = _cache(tree, tmp_path)
+    with pytest.raises(ConfigError, match=rf"data.cache: .* file {manifest['files'][7][0]}: class/size"):
+        fresh.ensure_manifest()
+    bad = dict(manifest, settings=dict(manifest["settings"], crop_size=CROP + 1))
+    (cache.folder / "manifest.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match=rf"preprocessing crop_size: the cache has {CROP + 1}, this run {CROP}"):
+        fresh.ensure_manifest()
+
+
+def test_a_changed_file_refuses_the_run_before_any_rank_and_rebuild_rebuilds(tree, tmp_path):
+    import shutil
+
+    own = tmp_path / "tree"
+    shutil.copytree(tree, own)
+    cache = tmp_path / "cache"
+    run = tmp_path / "a"
+    ref = _metrics(run, run_disteval(*_job(own, cache, "data.cache=pixels"), run_dir=run))
+    victim = sorted(own.glob("*/*.JPEG"))[3]
+    victim.write_bytes(victim.read_bytes() + b"\0")  # a byte more: another file
+    proc = run_disteval(*_job(own, cache, "data.cache=pixels"), run_dir=tmp_path / "b")
+    assert proc.returncode == 2 and f"file {victim.relative_to(own)}: class/size" in proc.stderr
+    assert "data.cache=rebuild" in proc.stderr
+    run = tmp_path / "c"
+    assert _metrics(run, run_disteval(*_job(own, cache, "data.cache=rebuild"), run_dir=run)) == ref
+
+
+def test_a_second_job_waits_for_the_builder_and_never_builds(tree, tmp_path):
+    """The build lock is the driver's flock: a real second process holds it for 2 s; build_lock says whose it is,
+    waits, and gets it once the holder ends."""
+    from disteval.data.pixel_cache import build_lock
+
+    cache, _ = _cache(tree, tmp_path)
+    cache.folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, time
+f = open({str(cache.folder / 'build.lock')!r}, 'a+')
+fcntl.flock(f, fcntl.LOCK_EX)
+f.write('pid %d on test' % os.getpid()); f.flush()
+print('held', flush=True)
+time.sleep(2)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    said = []
+    t0 = time.monotonic()
+    with build_lock(cache, said.append) as held:
+        waited = time.monotonic() - t0
+        assert held and holder.wait(timeout=10) == 0  # the lock came free when the holder ended
+    assert waited > 1.0 and said == [f"pixel cache {cache.folder} is being built by pid {holder.pid} on test: waiting for it"]
+
+
+def test_turbo_decoding_is_recorded_and_close_to_pil(tree):
+    pytest.importorskip("simplejpeg")
+    from disteval.data.pixels import PixelFolder
+
+    pil, turbo = PixelFolder(str(tree), RESIZE, CROP, "pil"), PixelFolder(str(tree), RESIZE, CROP, "turbo")
+    a = torch.stack([pil[i][0] for i in range(N)]).float()
+    b = torch.stack([turbo[i][0] for i in range(N)]).float()
+    diff = (a - b).abs().mean().item()
+    assert diff < 3.0  # grey levels; DCT-domain downscaling (to >= the resize target) changes pixels a little
