@@ -299,7 +299,7 @@ def apply_compute_settings(ctx: RankContext) -> dict:
                    "compile_backend": str(cfg.eval.compile_backend) if cfg.eval.compile else None,
                    "inference_mode": True,
                    "decode_on_device": bool(cfg.data.decode_on_device),
-                   # the host decoder of imagefolder files (pil: the reference pixels; turbo may differ) and
-                   # whether they came from the exact pixel cache (the same pixels as the files')
+                   # the host decoder of image files (pil: the reference pixels; turbo may differ) and whether
+                   # the pixels came from the exact pixel cache (the same pixels as the files')
                    "decode": str(cfg.data.decode), "pixel_cache": str(cfg.data.cache)}
     return ctx.compute

@@ -33,7 +33,7 @@ from disteval.canary import Canary, describe, pin_cpu_kernels, probe_inputs, set
 from disteval.config import JobConfig, job_config
 from disteval.config import heterogeneous_policy as policy
 from disteval.faults import FaultPlan, apply_at_start
-from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard
+from disteval.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard, pipeline_record
 from disteval.metrics import check_coverage, raise_if_incomplete
 from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.robust import rank_outliers, summarize_trials
@@ -323,6 +323,7 @@ class RankRun:
                 "fingerprint": self.fingerprint, **({"predictions": self.store.entry} if self.store else {}),
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
+                "pipeline": pipeline_record(progress),
                 **({"skipped": progress.skipped} if self.streamed else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 

@@ -84,6 +84,10 @@ class LoopProgress:
     samples_warmup: int = 0
     dummy_planned: int = 0  # forwards planned after the shard whose outputs are discarded (lockstep)
     dummy_steps: int = 0  # of those, run so far
+    # the loop's stage seconds (StageTimer: wait_for_data, forward, metric_update) and the loader's host stages
+    # (read, decode, transform: worker-seconds) when the dataset times them; read with ``pipeline_record``
+    timer: Any = None
+    stages: dict = field(default_factory=dict)
 
 
 class LoopHook:
@@ -198,22 +202,25 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
     worker with its original one-line message; a deferred DataError of the metric at the end)."""
     for hook in hooks:
         hook.before_loop(progress)
-    t0 = time.perf_counter()
+    t0, n0 = time.perf_counter(), progress.samples
+    timer = StageTimer(getattr(loader, "device", torch.device("cpu")))
     batches = iter(loader)
     ok = False
     try:
         with torch.inference_mode():
-            for k, batch in enumerate(_marked(batches, hooks)):
+            for k, batch in enumerate(_marked(batches, hooks, timer)):
                 inputs, targets, ids, index = _unpack(batch, progress, evaluator, k)
                 if inputs is None:  # every sample of this streamed batch was skipped (and counted)
                     continue
-                outputs = step(model, inputs)
+                with timer("forward"):
+                    outputs = step(model, inputs)
                 for hook in hooks:
                     outputs = hook.on_outputs(outputs)
                 with contextlib.ExitStack() as scope:
                     for hook in hooks:
                         scope.enter_context(hook.batch_scope())
-                    evaluator.process(index, outputs, targets, ids)
+                    with timer("metric_update"):
+                        evaluator.process(index, outputs, targets, ids)
                     progress.samples += int(ids.numel())
                     progress.batches += 1
                 for hook in hooks:
@@ -236,22 +243,78 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
         _stop_workers(loader.batches if isinstance(loader, DeviceFeed) else batches, keep_persistent=ok)
     progress.seconds_forward = time.perf_counter() - t0
     progress.seconds_warmup = max(progress.seconds_warmup, 0.0)
+    progress.timer = timer
+    progress.stages.update(loop=progress.seconds_forward, images=progress.samples - n0)
     evaluator.finish_local()
     for hook in hooks:
         hook.after_loop(progress)
     return progress
 
 
-def _marked(batches: Iterator, hooks: Sequence[LoopHook]) -> Iterator:
-    """``batches``, telling the hooks when the loop waits for the loader (``LoopHook.waiting_for_data``)."""
+class StageTimer:
+    """Seconds of the loop's stages, summed over batches: ``with timer("forward"): ...``. On a CUDA device a
+    stage is timed by a pair of CUDA events recorded on the current stream (no host synchronisation per batch;
+    ``totals`` waits for the last event once, after the loop); elsewhere by ``time.perf_counter``. The time
+    waiting for the loader is host time on every device (``add``)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.host: dict[str, float] = {}
+        self.events: dict[str, list] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.setdefault(stage, []).append((start, end))
+            return
+        t = time.perf_counter()
+        yield
+        self.add(stage, time.perf_counter() - t)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.host[stage] = self.host.get(stage, 0.0) + seconds
+
+    def totals(self) -> dict:
+        """``{stage: seconds}``."""
+        out = dict(self.host)
+        for stage, pairs in self.events.items():
+            if pairs:
+                pairs[-1][1].synchronize()
+                out[stage] = out.get(stage, 0.0) + sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
+        return out
+
+
+def pipeline_record(progress: LoopProgress) -> dict:
+    """This rank's input pipeline, stage by stage (results.json ``per_rank[].pipeline``): ``images`` evaluated,
+    ``loop`` seconds, ``wait_for_data``/``forward``/``metric_update`` seconds (the forward on a CUDA device timed
+    by events; read here, after the loop, so the loop itself never waits for the device), and ``host``: the
+    loader's read/decode/transform worker-seconds, items and active workers (datasets that time them), with
+    ``num_workers``."""
+    out = dict(progress.stages)
+    if progress.timer is not None:
+        out.update(progress.timer.totals())
+    return out
+
+
+def _marked(batches: Iterator, hooks: Sequence[LoopHook], timer: StageTimer | None = None) -> Iterator:
+    """``batches``, telling the hooks when the loop waits for the loader (``LoopHook.waiting_for_data``) and
+    adding the wait to ``timer``'s ``wait_for_data``."""
     marking = [h for h in hooks if type(h).waiting_for_data is not LoopHook.waiting_for_data]
     while True:
         for hook in marking:
             hook.waiting_for_data(time.time())
+        t = time.perf_counter()
         try:
             batch = next(batches)
         except StopIteration:
             return
+        finally:
+            if timer is not None:
+                timer.add("wait_for_data", time.perf_counter() - t)
         for hook in marking:  # not on an error: a rank whose loader timed out still waits for data until the
             hook.waiting_for_data(None)  # error is recorded
         yield batch
@@ -333,6 +396,9 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         progress.seconds_warmup = -1.0  # marks: time the first batch apart
     # a pixel cache being built sees the host batches of a whole, fresh shard (not a resumed one)
     tap = dataset.host_tap(progress.start, progress.end) if hasattr(dataset, "host_tap") and not spec.skip else None
+    clock = getattr(dataset, "stage_clock", None)
+    if clock is not None:
+        clock.reset()
     try:
         progress = inference_on_dataset(model, DeviceFeed(loader, spec.device, tap), evaluator, step, progress, hooks)
     except BaseException:
@@ -341,6 +407,9 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         raise
     if tap is not None:
         tap.finish(ok=True)
+    if clock is not None:  # the loader's host stages (read, decode, transform), summed over its workers
+        progress.stages["host"] = clock.totals()
+        progress.stages["num_workers"] = spec.num_workers
     return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)
 
 

@@ -54,6 +54,7 @@ import torch
 
 from disteval.common.liveness import DRIVER_HEARTBEAT_S, process_state
 from disteval.common.netif import node_id
+from disteval.common import pipeline
 from disteval.common.plain import plain
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
 from disteval.errors import DiskFullError
@@ -554,6 +555,7 @@ def per_rank_record(row: dict, net: dict | None) -> dict:
             "node": net.get("node"), "node_rank": net.get("node_rank"), "interface": net.get("interface"),
             "address": net.get("address"), "ifname_source": net.get("ifname_source"),
             "fingerprint": row.get("fingerprint"),
+            "pipeline": row.get("pipeline"),
             **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
 
 
@@ -592,6 +594,7 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         "timings": dict(run["timings"], forward=slowest),
         "throughput": {"images_per_s": steady_samples / steady if steady > 0 else None,
                        "warmup_s": warmup if warmup > 0 else None},
+        "pipeline": _pipeline(cfg, per_rank),
         "comm": dict(run["comm"], backend=run["backend"], profile=plain(cfg.communication_profile),
                      compression_mode=str(cfg.communication.compression)),
         "precision": {"model_dtype": str(cfg.precision.model_dtype), "tf32": bool(cfg.precision.tf32),
@@ -605,6 +608,16 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
         **(extra or {}),
     })
 
+
+
+def _pipeline(cfg: Any, per_rank: list[dict]) -> dict | None:
+    """The job's input pipeline (``disteval.common.pipeline.summarize``) with the remedies that fit an input-bound
+    run; None when no rank recorded one."""
+    summary = pipeline.summarize([p.get("pipeline") for p in per_rank], len(os.sched_getaffinity(0)))
+    if summary is None:
+        return None
+    data = {k: plain(getattr(cfg.data, k, None)) for k in ("name", "cache", "num_workers", "decode_on_device")}
+    return dict(summary, remedies=pipeline.remedies(summary, data))
 
 
 def write_results(run_dir: str, results: dict) -> Path:

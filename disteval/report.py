@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from disteval.common.formatting import fmt
+from disteval.common.pipeline import console_line as pipeline_line
 
 _console = Console()
 
@@ -225,4 +226,7 @@ def present(results: dict, section_of: Callable[[dict], tuple], console: Console
     else:
         print_metrics(results, section_of(results["metrics"]), console)
         print_intervals(results.get("confidence_intervals"), console)
+    line = pipeline_line(results.get("pipeline"))
+    if line:
+        (console or Console()).print(f"[cyan]pipeline:[/] {escape(line)}", soft_wrap=True, highlight=False)
     print_warnings(results.get("warnings") or [], console)

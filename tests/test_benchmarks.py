@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SAMPLE
 
 BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
@@ -24,10 +24,11 @@ TABLES = {"allocator.py": "allocator policies", "checkpoints.py": "checkpoints i
           "model_parallel.py": "model parallelism on CPU",
           "segmentation.py": "segmentation statistics per batch", "startup.py": "start-up phases",
           "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",
-          "throughput.py": "loop throughput:"}
+          "throughput.py": "loop throughput:", "input_pipeline.py": "input pipeline methods"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
 USES_LAB = {"links.py"}  # the network lab: one xdist worker runs every lab test (tests/conftest.py)
+NEEDS_SAMPLE = {"input_pipeline.py"}  # its ImageNet-val-like tree is made from ../shared/data/imagenet-sample-224
 NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py",
                  "checkpoints.py"}
 
@@ -47,6 +48,8 @@ def test_benchmark_smoke(script: Path, tmp_path):
     """``python benchmarks/X.py --smoke`` from outside the checkout: exit 0, its table, its verdict."""
     if script.name in NEEDS_FASHION and not any(FASHION_ROOT.glob("t10k-*")):
         pytest.skip(f"Fashion-MNIST not found at {FASHION_ROOT} (apt-get install dataset-fashion-mnist)")
+    if script.name in NEEDS_SAMPLE and not SAMPLE.is_dir():
+        pytest.skip(f"needs the shipped ImageNet sample images at {SAMPLE}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env, capture_output=True,

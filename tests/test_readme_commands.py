@@ -62,7 +62,7 @@ def _python(command: str) -> list[str]:
 
 
 def test_every_readme_command_has_a_check():
-    handled = set(_pick("pip install") + _pick("apt-get install") + _pick("python -m pytest")
+    handled = set(_pick("python3.11 -m venv") + _pick("pip install") + _pick("apt-get install") + _pick("python -m pytest")
                   + _pick("python -m disteval") + _pick("python -m diagnostics doctor")
                   + _pick("python scripts/train_reference_cnns.py"))
     assert len(COMMANDS) >= 10 and set(COMMANDS) == handled, sorted(set(COMMANDS) - handled)
@@ -72,23 +72,29 @@ def test_install_and_test_commands_are_the_ones_ci_runs():
     """pip/apt lines: .ci/run runs each on a fresh machine (same packages; -q aside); the CPU-wheel line pins the
     torch and torchvision versions that pyproject.toml pins; ``python -m pytest`` is CI's test command."""
     pins = dict(re.findall(r'"(torch|torchvision)==([\d.]+)"', (REPO / "pyproject.toml").read_text()))
-    for command in _pick("pip install") + _pick("apt-get install"):
+    installs = [seg.strip() for c in _pick("python3.11 -m venv") + _pick("pip install") + _pick("apt-get install")
+                for seg in c.split("&&") if " install " in seg]
+    assert any("-c requirements/lock.txt" in seg for seg in installs)  # the lock file (issue 48 point 1)
+    for command in installs:
         if "download.pytorch.org/whl/cpu" in command:
             assert f"torch=={pins['torch']}" in command and f"torchvision=={pins['torchvision']}" in command
             continue
-        words = shlex.split(command.split("&&")[0])
+        words = shlex.split(command)
         packages = [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
         assert packages and any("install" in line and all(p in line for p in packages) for line in CI.splitlines()), \
             f"README's {command!r} is not run by .ci/run"
+    # CI installs into a fresh virtual environment, as README's quick start does
+    assert re.search(r"^rm -rf \.venv-ci$", CI, re.M) and "-m venv .venv-ci" in CI
     assert _pick("python -m pytest") == ["python -m pytest"] and CI.rstrip().splitlines()[-1] == "python -m pytest"
 
 
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory) -> Path:
-    """README's main job (`pip install -e ".[test]" && python -m disteval`: the install is CI's own) as written."""
-    [command] = _pick("pip install -e", "python -m disteval")
+    """README's main job (`python3.11 -m venv ... && pip install ... && python -m disteval`: the venv and the install
+    are CI's own) as written."""
+    [command] = _pick("python3.11 -m venv", "python -m disteval")
     tmp = tmp_path_factory.mktemp("main_job")
-    job = command.split("&&", 1)[1].strip()
+    job = command.split("&&")[-1].strip()
     proc = _run([*_python(job), f"hydra.run.dir={tmp / 'run'}"], tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_results(tmp / "run")["metrics"]["top1"] == pytest.approx(0.9852, abs=1e-4)  # as README states

@@ -78,6 +78,12 @@ class IndexedDataset(Dataset):
         return (isinstance(base, TensorDataset) and len(base.tensors) == 2 and base.tensors[1].ndim == 1
                 and not base.tensors[1].dtype.is_floating_point)
 
+    @property
+    def stage_clock(self) -> Any:
+        """The base's ``StageClock`` (seconds of its read/decode/transform stages; ``disteval.data.pixels``), or
+        None."""
+        return getattr(self.base, "clock", None)
+
     def host_tap(self, start: int, end: int) -> Any:
         """The base's tap on the loop's host batches of shard ``[start, end)`` (a pixel cache being built:
         ``disteval.data.pixel_cache``), or None."""
