@@ -194,3 +194,44 @@ def _next_attempt_dir(doctor_dir: Path) -> Path:
     while (doctor_dir / f"attempt{n}").exists():
         n += 1
     return doctor_dir / f"attempt{n}"
+
+
+def measure_pipeline_remedy(diag: Diagnosis, finding, timeout_s: float = 3600.0,
+                            log: Callable[[str], None] = print) -> list[dict]:
+    """``doctor --apply`` on a healthy but input-bound run (the SHARDS/input_pipeline warning): rerun with its
+    remedy and measure the effect on the images/s the loader delivered. ``data.cache=pixels`` needs two reruns
+    (the first builds the cache as it evaluates, the second reads it); the last one is measured. Each rerun is an
+    attempt in ``RUN_DIR/doctor/attempts.json`` with ``effect``: ``delivered_before``/``delivered_after``
+    (images/s), ``speedup`` and whether the metrics are equal (``metrics_equal``). Returns the attempts."""
+    base = diag.run
+    doctor_dir = base.path / "doctor"
+    history = _load_history(doctor_dir)
+    remedy = finding.remedy
+    overrides = merge_overrides(run_overrides(base), remedy.overrides)
+    before = ((base.results or {}).get("pipeline") or {}).get("delivered_images_per_s")
+    attempts = []
+    for n in range(2 if "data.cache=pixels" in remedy.overrides else 1):
+        run_dir = _next_attempt_dir(doctor_dir)
+        role = ("builds the pixel cache" if n == 0 else "reads it") if "data.cache=pixels" in remedy.overrides else "measures"
+        log(f"{run_dir.name} ({role}): {remedy.describe()} -> {' '.join(overrides)}")
+        code, console = _run_attempt(rerun_command(overrides, run_dir), (base.launch or {}).get("cwd") or os.getcwd(),
+                                     dict(os.environ), timeout_s)
+        res = {}
+        if run_dir.exists():
+            (run_dir / "console.log").write_text(console)
+            res = load_run(run_dir).results or {}
+        after = (res.get("pipeline") or {}).get("delivered_images_per_s")
+        effect = {"delivered_before": before, "delivered_after": after,
+                  "speedup": after / before if after and before else None,
+                  "metrics_equal": res.get("metrics") == (base.results or {}).get("metrics") if res else None}
+        effect["said"] = (f"the loader delivered {after:,.0f} images/s against {before:,.0f} before "
+                          f"({effect['speedup']:.2f}x); metrics {'equal' if effect['metrics_equal'] else 'DIFFER'}"
+                          if after and before else f"exit code {code}, no pipeline record")
+        log(f"  measured: {effect['said']}")
+        attempts.append({"run_dir": str(run_dir), "overrides": overrides, "env": {}, "unset": [], "exit_code": code,
+                         "verdict": None, "remedy": remedy.as_dict(), "failure": ["SHARDS", "input_pipeline", None],
+                         "fixed": code == 0, "warnings": [], "effect": effect})
+        _save_history(doctor_dir, history + attempts)
+        if code != 0:
+            break
+    return attempts

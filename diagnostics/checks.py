@@ -464,6 +464,38 @@ def _progress_stragglers(run: Run) -> Finding:
     return Finding("COMM", "stragglers", "pass", f"recorded progress within 2x of the median {med:,.1f} samples/s", ev)
 
 
+def shards_input_pipeline(run: Run, probes: dict | None) -> Finding:
+    """Whether the run was input-bound (results.json ``pipeline``: the ranks waited for their loaders a quarter
+    of the loop or more), naming the bound host stage and the remedy that fits (``disteval.common.pipeline``):
+    the exact pixel cache, more loader workers up to the cores, device decode. A warning, never a failure: the
+    numbers are right, only slower than the model allows (``doctor --apply`` measures the remedy's effect)."""
+    res = run.results or {}
+    pipe = res.get("pipeline")
+    if not pipe or pipe.get("bound") is None:
+        return Finding("SHARDS", "input_pipeline", "skipped", "no pipeline record (a run that did not finish, or one "
+                       "made before results.json had one)")
+    ev = [Evidence("results.json", f"{pipe['delivered_images_per_s']:,.0f} images/s", field="pipeline.delivered_images_per_s"),
+          Evidence("results.json", f"{pipe['wait_share'] * 100:.0f} %", field="pipeline.wait_share")]
+    fwd = (pipe.get("stages") or {}).get("forward", {}).get("images_per_s")
+    if fwd:
+        ev.append(Evidence("results.json", f"{fwd:,.0f} images/s", field="pipeline.stages.forward.images_per_s"))
+    if pipe["bound"] != "input":
+        return Finding("SHARDS", "input_pipeline", "pass", f"compute-bound: the ranks waited for data "
+                       f"{pipe['wait_share'] * 100:.0f} % of their loop ({pipe['delivered_images_per_s']:,.0f} images/s)", ev)
+    stage = pipe.get("bound_stage")
+    share = ((pipe.get("stages") or {}).get(stage) or {}).get("share_of_worker_time") if stage else None
+    where = f"; the loader workers spent {share * 100:.0f} % of their time in {stage}" if share is not None else ""
+    fixes = pipe.get("remedies") or []
+    remedy = Remedy([fixes[0]], {"data.cache=pixels": "decode once: later runs read the exact uint8 crops from memory",
+                                 "data.decode_on_device=true": "decode on the GPU (nvJPEG); different pixels, recorded"}
+                    .get(fixes[0], "more loader processes, up to the cores per rank")) if fixes else None
+    return Finding("SHARDS", "input_pipeline", "warn", f"input-bound: the loader delivered "
+                   f"{pipe['delivered_images_per_s']:,.0f} images/s, the forward pass could take "
+                   f"{'-' if not fwd else f'{fwd:,.0f}'}; the ranks waited for data {pipe['wait_share'] * 100:.0f} % of "
+                   f"their loop{where}" + (f" (also fits: {', '.join(fixes[1:])})" if len(fixes) > 1 else ""), ev,
+                   remedy=remedy)
+
+
 # ---------------------------------------------------------------------------------------------- RESULT
 def result_outliers(run: Run, probes: dict | None) -> Finding:
     """Per-rank local top-1 accuracies tested by modified z-score (``disteval.metrics.robust.rank_outliers``)."""
@@ -586,7 +618,7 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
 
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {
     "INIT": [init_launch, init_scheduler, init_started, init_joined, init_config_agree, init_ranks_ran],
-    "SHARDS": [shards_plan, shards_mesh, shards_coverage],
+    "SHARDS": [shards_plan, shards_mesh, shards_coverage, shards_input_pipeline],
     "CONVERGENCE": [convergence_trials, convergence_flags, convergence_hardware, convergence_reference],
     "COMM": [comm_timeout, comm_tp_peers, comm_mesh_hang, comm_heartbeats, comm_mismatch, comm_stragglers,
              comm_links],

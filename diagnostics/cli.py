@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from diagnostics.apply import apply_remedies
+from diagnostics.apply import apply_remedies, measure_pipeline_remedy
 from diagnostics.checks import STATES
 from diagnostics.compare import load_records, run_compare
 from diagnostics.evidence import find_runs, load_run
@@ -100,6 +100,12 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
                 print_diagnosis(final, console, args.verbose)
             run_code = 0 if attempts and attempts[-1]["fixed"] else max(1, final.exit_code)
             final_dict = as_dict(final)
+        elif args.apply and _input_bound(diag) is not None:  # healthy but input-bound: measure the remedy
+            log = (lambda m: None) if args.json else (lambda m: console.print(f"[cyan]doctor --apply:[/] {escape(m)}",
+                                                                              soft_wrap=True, highlight=False))
+            attempts = measure_pipeline_remedy(diag, _input_bound(diag), timeout_s=args.attempt_timeout_s, log=log)
+            run_code = 0 if attempts and attempts[-1]["fixed"] else 1
+            final_dict = as_dict(diag)
         elif not args.json and diag.remedy is not None and diag.remedy.changes_cause and diag.verdict.status == "fail":
             console.print(f"[dim]apply it with: python -m diagnostics doctor {path} --apply[/]", soft_wrap=True,
                           highlight=False)
@@ -117,6 +123,13 @@ def doctor(args: argparse.Namespace, console: Console) -> tuple[int, list[dict]]
         out.append(entry)
         code = max(code, run_code)
     return code, out
+
+
+def _input_bound(diag):
+    """The SHARDS/input_pipeline warning with a remedy of a healthy run, else None."""
+    if diag.verdict is not None:
+        return None
+    return next((f for f in diag.findings if f.check == "input_pipeline" and f.status == "warn" and f.remedy), None)
 
 
 def write_html(path: Path, entry: dict, console: Console) -> Path | None:

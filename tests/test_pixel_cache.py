@@ -250,3 +250,72 @@ def test_turbo_decoding_is_recorded_and_close_to_pil(tree):
     b = torch.stack([turbo[i][0] for i in range(N)]).float()
     diff = (a - b).abs().mean().item()
     assert diff < 3.0  # grey levels; DCT-domain downscaling (to >= the resize target) changes pixels a little
+
+
+def test_device_decode_is_batched_by_size_and_bisects_to_the_bad_image(tree, tmp_path):
+    """data.decode_on_device's decoder (here on the CPU): one resize per distinct size gives the per-image loop's
+    pixels bit for bit on mixed sizes; a batch holding one undecodable image costs about log2(B) extra decode
+    calls (not B) and names that image's sample id."""
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+    from torchvision.transforms.v2 import functional as F
+
+    from disteval.data.device_decode import DeviceDecoder, EncodedImages
+    from disteval.errors import DataError
+
+    files = sorted(tree.glob("*/*.JPEG"))[:32]
+    data = [read_file(str(f)) for f in files]
+    dec = DeviceDecoder(RESIZE, CROP, MEAN, STD)
+    got = dec(EncodedImages(data, range(32)), torch.device("cpu"))
+    want = []
+    for d in data:
+        im = F.resize(decode_jpeg(d, mode=ImageReadMode.RGB), [RESIZE], interpolation=F.InterpolationMode.BILINEAR,
+                      antialias=True)
+        want.append(F.center_crop(im, [CROP, CROP]).to(torch.float32).div_(255))
+    assert len({tuple(decode_jpeg(d).shape) for d in data}) > 1  # mixed sizes: several resize groups
+    assert torch.equal(got, F.normalize(torch.stack(want), mean=MEAN, std=STD))
+    png = tmp_path / "x.png"
+    Image.new("RGB", (8, 8)).save(png)
+    calls = []
+
+    def counting(batch, **kw):
+        calls.append(len(batch) if isinstance(batch, list) else 1)
+        return decode_jpeg(batch, **kw)
+
+    bad = data[:19] + [read_file(str(png))] + data[19:31]
+    with pytest.raises(DataError, match=r"sample id 119: not a decodable JPEG"):
+        dec._decode(counting, ImageReadMode.RGB, bad, list(range(100, 132)), torch.device("cpu"))
+    assert len(calls) <= 2 * 5 + 1  # halving 32 -> 1: about two calls per level, not 32
+
+
+def test_an_input_bound_run_is_named_and_apply_measures_the_pixel_cache(tree, tmp_path):
+    """Decoding ~500 px JPEGs in the rank's own process for a small model at 64 px: the ranks wait for data most
+    of their loop. results.json's pipeline says so stage by stage, the console prints it, the doctor warns with
+    the remedy data.cache=pixels, and --apply reruns twice (builds the cache, reads it) and measures the
+    delivered images/s against the run's, the metrics equal."""
+    from recorded_runs import diagnostics_cli
+
+    run = tmp_path / "run"
+    proc = run_disteval(*_job(tree, tmp_path / "cache", "dist.world_size=1", "data.num_workers=0",
+                              "eval.metrics=[classification]"), run_dir=run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pipe = load_results(run)["pipeline"]
+    per_rank = load_results(run)["per_rank"][0]["pipeline"]
+    assert per_rank["images"] == N and per_rank["host"]["items"] == N and per_rank["num_workers"] == 0
+    assert per_rank["wait_for_data"] >= per_rank["host"]["decode"]  # without workers, decoding is the loop's wait
+    assert pipe["bound"] == "input" and pipe["bound_stage"] in ("decode", "transform")
+    assert pipe["remedies"][0] == "data.cache=pixels"
+    assert abs(pipe["delivered_images_per_s"] - N / per_rank["loop"]) < 1e-6
+    assert "pipeline: input-bound: the loader delivered" in proc.stdout + proc.stderr
+    doc = diagnostics_cli(["doctor", str(run), "--json"], tmp_path)
+    entry = json.loads(doc.stdout)
+    [finding] = [f for f in entry["runs"][0]["checks"] if f["check"] == "input_pipeline"]
+    assert finding["status"] == "warn" and finding["remedy"]["overrides"] == ["data.cache=pixels"]
+    assert finding["finding"].startswith("input-bound: the loader delivered")
+    doc = diagnostics_cli(["doctor", str(run), "--apply"], tmp_path, timeout=600)
+    assert doc.returncode == 0, doc.stdout[-3000:] + doc.stderr[-3000:]
+    attempts = json.loads((run / "doctor" / "attempts.json").read_text())
+    assert len(attempts) == 2 and all(a["exit_code"] == 0 for a in attempts)
+    effect = attempts[-1]["effect"]
+    assert effect["metrics_equal"] and effect["speedup"] > 1.0
+    assert "measured: the loader delivered" in doc.stdout

@@ -62,19 +62,33 @@ class DeviceDecoder:
         self.mean, self.std = [float(v) for v in mean], [float(v) for v in std]
 
     def __call__(self, batch: EncodedImages, device: torch.device) -> torch.Tensor:
+        """float32 [B, 3, crop, crop] on ``device``: one batched ``decode_jpeg`` of the whole list (nvJPEG's batched
+        decode on CUDA), a batch that fails split in halves until the failing image is alone (log2(B) extra
+        calls for one bad image, not B), then one resize per distinct decoded size (images of one size resized
+        together), one crop and one normalisation for the whole batch. Raises DataError naming the sample id of an
+        image that does not decode."""
         from torchvision.io import ImageReadMode, decode_jpeg
         from torchvision.transforms.v2 import functional as F
 
-        try:
-            images = decode_jpeg(list(batch), mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:
-            images = [self._one(decode_jpeg, ImageReadMode.RGB, data, sid, device)
-                      for data, sid in zip(batch, batch.sample_ids)]
-        out = torch.empty((len(images), 3, self.crop_size, self.crop_size), dtype=torch.float32, device=device)
+        images = self._decode(decode_jpeg, ImageReadMode.RGB, list(batch), list(batch.sample_ids), device)
+        groups: dict[tuple, list[int]] = {}
         for k, image in enumerate(images):
-            image = F.resize(image, [self.resize_size], interpolation=F.InterpolationMode.BILINEAR, antialias=True)
-            out[k] = F.center_crop(image, [self.crop_size, self.crop_size]).to(torch.float32).div_(255)
-        return F.normalize(out, mean=self.mean, std=self.std)
+            groups.setdefault(tuple(image.shape), []).append(k)
+        out = torch.empty((len(images), 3, self.crop_size, self.crop_size), dtype=torch.uint8, device=device)
+        for ks in groups.values():
+            stack = torch.stack([images[k] for k in ks])
+            stack = F.resize(stack, [self.resize_size], interpolation=F.InterpolationMode.BILINEAR, antialias=True)
+            out[torch.tensor(ks, device=device)] = F.center_crop(stack, [self.crop_size, self.crop_size])
+        return F.normalize(out.to(torch.float32).div_(255), mean=self.mean, std=self.std)
+
+    def _decode(self, decode: Any, mode: Any, data: list, ids: list, device: torch.device) -> list:
+        """Decoded images of ``data`` (one batched call; halves of a batch that fails, down to single images)."""
+        try:
+            return decode(data, mode=mode, device=device) if len(data) > 1 else [self._one(decode, mode, data[0], ids[0], device)]
+        except RuntimeError:
+            half = len(data) // 2
+            return (self._decode(decode, mode, data[:half], ids[:half], device)
+                    + self._decode(decode, mode, data[half:], ids[half:], device))
 
     @staticmethod
     def _one(decode: Any, mode: Any, data: torch.Tensor, sid: int, device: torch.device) -> torch.Tensor:
