@@ -1,6 +1,6 @@
 """The headline rows a benchmark run leaves for docs/benchmarks.md's performance table (``scripts/perf_table.py``).
 
-``write(name, rows, smoke)`` saves ``benchmarks/results/<name>.json``: the date (UTC), the commit, the
+``write(name, rows, smoke)`` saves ``<results folder>/<name>.json``: the date (UTC), the commit, the
 machine (cores, CPU model, torch), the command and ``rows``, each ``{"measure", "value", "baseline",
 "ratio"}`` (strings as printed, ``ratio`` a float or None), taken from the numbers the benchmark printed in
 the same run. A ``--smoke`` run writes nothing: its sizes are not the benchmark's. Not a benchmark itself
@@ -16,7 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the recorded figures (docs/benchmarks.md's table)
+
+
+def results_dir() -> Path:
+    """Where a run's headline rows go: ``$DISTEVAL_BENCH_RESULTS``, else ``~/.cache/disteval/benchmarks`` (a folder
+    of the user's: running a benchmark never rewrites the checkout's recorded figures). A maintainer records a
+    run with ``DISTEVAL_BENCH_RESULTS=benchmarks/results``, then ``python scripts/perf_table.py``."""
+    given = os.environ.get("DISTEVAL_BENCH_RESULTS")
+    if given:
+        return Path(given).resolve()
+    base = os.environ.get("DISTEVAL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                                 os.path.expanduser("~/.cache"), "disteval")
+    return Path(base) / "benchmarks"
 
 
 def machine() -> dict:
@@ -56,16 +68,20 @@ def write(name: str, rows: list[dict], smoke: bool) -> Path | None:
     """Save the rows (see the module docstring) unless ``smoke``; returns the path written."""
     if smoke or not rows:
         return None
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     record = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
               "commit": _commit(), "machine": machine(),
               "command": " ".join(["python", f"benchmarks/{name}.py", *sys.argv[1:]]), "rows": rows}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
-    print(f"headline rows written to {path.relative_to(RESULTS.parent.parent)} (python scripts/perf_table.py "
-          "puts them into docs/benchmarks.md)")
+    if folder == RESULTS.resolve():
+        print(f"headline rows recorded in {path} (python scripts/perf_table.py puts them into docs/benchmarks.md)")
+    else:
+        print(f"headline rows written to {path} (the checkout's benchmarks/results/ is left as it is; record them "
+              "there with DISTEVAL_BENCH_RESULTS=benchmarks/results)")
     return path
 
 

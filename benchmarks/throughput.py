@@ -117,13 +117,17 @@ def _job(overrides: list[str], experiment: str = "fashion_mnist") -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
-def _in_memory_batches(dataset, start: int, end: int, batch: int, device) -> list:
-    """This shard's items ``[start, end)`` stacked once into two tensors on ``device``, cut into batch views."""
+def _in_memory_batches(dataset, start: int, end: int, batch: int, device, normalize=None) -> list:
+    """This shard's items ``[start, end)`` stacked once into two tensors on ``device``, cut into batch views;
+    uint8 pixels (imagefolder data) normalised once there (``normalize``: ``PixelNormalizer``), so the loops
+    time the model on the floats it takes."""
     import torch
 
     xs = torch.stack([dataset[i][0] for i in range(start, end)]) if end > start else torch.zeros(0)
     ys = torch.tensor([int(dataset[i][1]) for i in range(start, end)], dtype=torch.int64)
     xs, ys = xs.to(device), ys.to(device)
+    if normalize is not None:
+        xs = normalize(xs)
     return [(xs[i:i + batch], ys[i:i + batch]) for i in range(0, end - start, batch)]
 
 
@@ -146,12 +150,13 @@ def _bare(model, batches, world_size: int, autocast, device=None) -> dict:
     return {"count": int(acc[0]), "top1": int(acc[1]), "top5": None}
 
 
-def _loader(model, loader, world_size: int, autocast) -> dict:
+def _loader(model, loader, world_size: int, autocast, normalize=None) -> dict:
     """The bare loop, its batches read through ``loader`` (a plain DataLoader over the same dataset and shard with
     the job's loader settings) and moved to the model's device: what a hand-written loop over the same files
     gets. On a GPU with JPEG files the loader, not the loop, sets the pace of both this and disteval."""
     dev = next(model.parameters()).device
-    moved = ((batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)) for batch in loader)
+    norm = normalize or (lambda x: x)  # uint8 pixels normalised on the device, as disteval's step does
+    moved = ((norm(batch[0].to(dev, non_blocking=True)), batch[1].to(dev, non_blocking=True)) for batch in loader)
     return _bare(model, moved, world_size, autocast, dev)
 
 
@@ -279,6 +284,7 @@ def child(args) -> None:
     others = [m for m in methods if m != "disteval"]
     if others:
         from disteval.common.ranges import batch_aligned_bounds
+        from disteval.data.pixels import PixelNormalizer
         from disteval.tasks import resolve_task
 
         from disteval import precision as prec
@@ -290,7 +296,8 @@ def child(args) -> None:
         model = task.model(device)
         b = int(cfg.data.batch_size)
         start, end = batch_aligned_bounds(len(dataset), b, w, rank)
-        data = _in_memory_batches(dataset, start, end, b, device)
+        normalize = PixelNormalizer(cfg.data.mean, cfg.data.std) if cfg.data.name == "imagefolder" else None
+        data = _in_memory_batches(dataset, start, end, b, device, normalize)
         most = max(-(-(e - s) // b) for s, e in (batch_aligned_bounds(len(dataset), b, w, r) for r in range(w)))
 
         def autocast():
@@ -298,7 +305,8 @@ def child(args) -> None:
         passes["bare"] = lambda: _bare(model, data, w, autocast)
         passes["torchmetrics"] = lambda: _torchmetrics(model, data, task.num_classes, autocast)
         passes["gather"] = lambda: _gather(model, data, w, autocast, most)
-        passes["loader"] = lambda: _loader(model, _plain_loader(dataset, (start, end), cfg, device), w, autocast)
+        passes["loader"] = lambda: _loader(model, _plain_loader(dataset, (start, end), cfg, device), w, autocast,
+                                           normalize)
     span = (run.shard[1] - run.shard[0]) if "disteval" in methods else (end - start)
     batches = -(-span // int(cfg.data.batch_size))
 

@@ -32,7 +32,7 @@ from disteval.common.links import mbit, node_throughput
 
 MAIN_METRICS = ("top1", "AP", "auroc_macro")  # the first one present is the job's main metric
 COLUMNS = ("job", "world_size", "status", "main_metric", "value", "job_wall_s", "eval_s", "forward_images_per_s",
-           "link_mbit_s", "slow_link_node", "error", "run_dir")
+           "pipeline", "delivered_images_per_s", "link_mbit_s", "slow_link_node", "error", "run_dir")
 PLOTS = (("job_wall_s", "job wall time (s)\nwhole job: start-up, load, eval, exit"),
          ("eval_s", "evaluation time (s)\nrank 0: load, forward, sync"),
          ("forward_images_per_s", "forward-only throughput (images/s)\nno start-up, loading or sync"),
@@ -77,6 +77,8 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
                    value=res["metrics"].get(name) if name else None, job_wall_s=_job_wall(run_dir, res),
                    eval_s=res["timings"].get("evaluation_s", res["timings"]["total"]),
                    forward_images_per_s=res["throughput"]["images_per_s"], error="")
+        pipe = res.get("pipeline") or {}  # input- or compute-bound, and the images/s the loader delivered
+        row.update(pipeline=pipe.get("bound"), delivered_images_per_s=pipe.get("delivered_images_per_s"))
         return row
     row.update(status="failed", job_wall_s=_job_wall(run_dir, None))
     job = run_dir / "job.json"
@@ -125,9 +127,11 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
     table = Table(title=f"sweep summary: {sweep_dir}",
                   caption="job wall s: the whole job (start-up, load, evaluation, exit); eval s: rank 0's "
                           "evaluation; forward images/s: forward passes only (no start-up, loading or sync); "
+                          "pipeline: input-bound when the ranks waited for data >= 25 % of their loop, with the "
+                          "images/s the loader delivered; "
                           "link Mbit/s: the slowest node's achieved throughput in collectives of >= 64 KiB")
-    for col in ("job", "world size", "status", "metric", "job wall s", "eval s", "forward images/s", "link Mbit/s",
-                "note"):
+    for col in ("job", "world size", "status", "metric", "job wall s", "eval s", "forward images/s", "pipeline",
+                "link Mbit/s", "note"):
         table.add_column(col, justify="right" if col not in ("status", "note") else "left")
     for r in rows:
         value = "" if r.get("value") is None else f"{r['main_metric']} {r['value']:.6f}"
@@ -137,7 +141,9 @@ def summarize_sweep(sweep_dir: str | Path, console=None) -> list[dict[str, Any]]
         style = "red" if r["status"] != "completed" or r["flag"] else None
         link = "" if r.get("link_mbit_s") is None else (f"{r['link_mbit_s']:,.1f}" + (
             f" ({r['slow_link_node']})" if r.get("slow_link_node") else ""))
-        table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, wall, ev, ips, link, note,
+        pipe = "" if not r.get("pipeline") else (f"{r['pipeline']}-bound" + (
+            f", {r['delivered_images_per_s']:,.0f}/s delivered" if r.get("delivered_images_per_s") else ""))
+        table.add_row(r["job"], str(r.get("world_size", "")), r["status"], value, wall, ev, ips, pipe, link, note,
                       style=style)
     (console or Console()).print(table)
     return rows

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks (issues 19, 27: the fast path; the canary and pin on the device) in one run (about 5-8 minutes on one GPU): the tests marked gpu, then the
+# The GPU checks (issues 19, 27: the fast path; the canary and pin on the device; 42: the input pipeline) in one run
+# (about 8-10 minutes on one GPU): the tests marked gpu, then the
 # throughput benchmark on the GPU (resnet50 and vit_b_16, random weights, bf16, batch 256, the shipped
 # ImageNet sample images from disk as an ImageFolder view; disteval's loop against a bare loop on batches already
 # on the GPU, the same bare loop reading the same files through a plain DataLoader ("loader": disteval's fair
@@ -44,6 +45,55 @@ for dec in false true; do
       "$OUT/decode_$dec/results.json" 2>/dev/null | tee -a "$OUT/decode.txt"
 done
 
+echo "== input pipeline on an ImageNet-val-like tree (issue 42): pixel cache, device decode, loader scaling"
+TREE="$(mktemp -d)/inet-like"
+python scripts/make_imagenet_like.py "$TREE" --n 5120 --sample "$DATA/imagenet-sample-224" || status=1
+for model in resnet50 vit_b_16; do
+  timeout 150 python benchmarks/throughput.py --device cuda --dtype bf16 --model "$model" --data-root "$TREE" \
+      --batch-size 256 --world-sizes 1 --rounds 1 --repeats 3 --threads 4 --num-workers 4 --methods bare \
+      > "$OUT/bare_$model.txt" 2>&1 || status=1
+  # the first cache run builds the cache as it evaluates, the second reads it; then nvJPEG decode on the device
+  for feed in cache_build:data.cache=pixels cache_read:data.cache=pixels device:data.decode_on_device=true; do
+    name="${feed%%:*}" arg="${feed#*:}"
+    timeout 200 python -m disteval hydra.run.dir="$OUT/pipe_${model}_$name" +experiment=imagenet_vit model.name="$model" \
+        model.weights=null data.root="$TREE" data.batch_size=256 data.num_workers=12 precision=bf16 dist.world_size=1 \
+        eval.progress=false data.cache_dir="$OUT/pixel_cache" "$arg" > "$OUT/pipe_${model}_$name.txt" 2>&1 || status=1
+  done
+done
+for workers in 4 8 12; do  # loader scaling: PIL decode in the workers, resnet50
+  timeout 200 python -m disteval hydra.run.dir="$OUT/scale_w$workers" +experiment=imagenet_vit model.name=resnet50 \
+      model.weights=null data.root="$TREE" data.batch_size=256 data.num_workers=$workers precision=bf16 \
+      dist.world_size=1 eval.progress=false > "$OUT/scale_w$workers.txt" 2>&1 || status=1
+done
+python - "$OUT" <<'PY' | tee "$OUT/pipeline.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def res(name):
+    try:
+        return json.loads((out / name / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+for model in ("resnet50", "vit_b_16"):
+    bare = None
+    lines = [l for l in (out / f"bare_{model}.txt").read_text().splitlines() if l.startswith("{")] if (out / f"bare_{model}.txt").exists() else []
+    if lines:
+        bare = json.loads(lines[-1])["throughput"]["1"]["bare"]["images_per_s"]
+    for name in ("cache_build", "cache_read", "device"):
+        r = res(f"pipe_{model}_{name}")
+        if r is None:
+            print(f"{model} {name}: failed (see {out}/pipe_{model}_{name}.txt)")
+            continue
+        ips, p = r["throughput"]["images_per_s"], r.get("pipeline") or {}
+        print(f"{model} {name}: loop {ips:,.0f} images/s, delivered {p.get('delivered_images_per_s') or 0:,.0f}, "
+              f"{p.get('bound')}-bound; bare forward {bare or 0:,.0f} -> {ips / bare if bare else 0:.2f}x (target >= 0.7x)")
+for workers in (4, 8, 12):
+    r = res(f"scale_w{workers}")
+    p = (r or {}).get("pipeline") or {}
+    print(f"loader scaling, resnet50, {workers} workers: delivered {p.get('delivered_images_per_s') or 0:,.0f} images/s, "
+          f"per worker {(p.get('loader') or {}).get('images_per_s_per_worker') or 0:,.0f}, {p.get('bound')}-bound")
+PY
+
 python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -66,7 +116,8 @@ for f in sorted(out.glob("throughput_*.txt")):
                           f"{r['images_per_s'] / loader:.3f}x" if loader else "-")
 tests = (out / "tests.txt").read_text().strip().splitlines()
 decode = (out / "decode.txt").read_text().strip() if (out / "decode.txt").exists() else "decode: no output"
-table.caption = "tests: " + (tests[-1] if tests else "no output") + "\n" + decode
+pipeline = (out / "pipeline.txt").read_text().strip() if (out / "pipeline.txt").exists() else "pipeline: no output"
+table.caption = "tests: " + (tests[-1] if tests else "no output") + "\n" + decode + "\n" + pipeline
 Console(width=120).print(table)
 PY
 exit $status

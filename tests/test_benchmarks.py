@@ -214,3 +214,19 @@ def test_segmentation_check_compares_confusion_with_torchmetrics_exactly():
     tm.update(logits, labels.long())  # torchmetrics saw the batch twice
     problems = check(metric, tm)
     assert len(problems) == 1 and "confusion matrix differs from torchmetrics' confmat in 3 cells" in problems[0]
+
+
+def test_a_benchmark_run_leaves_the_recorded_figures_alone(tmp_path, monkeypatch):
+    """A benchmark's headline rows go to a folder of the user's (``DISTEVAL_BENCH_RESULTS``, else the cache), so
+    running one from README never rewrites benchmarks/results/ (docs/benchmarks.md's table is generated from it)."""
+    summary = _load("_summary")
+    recorded = {p.name: p.read_bytes() for p in (REPO / "benchmarks" / "results").glob("*.json")}
+    monkeypatch.delenv("DISTEVAL_BENCH_RESULTS", raising=False)
+    monkeypatch.setenv("DISTEVAL_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [summary.row("m", "1", "2", 0.5)]
+    path = summary.write("startup", rows, smoke=False)
+    assert path == tmp_path / "cache" / "benchmarks" / "startup.json" and json.loads(path.read_text())["rows"] == rows
+    monkeypatch.setenv("DISTEVAL_BENCH_RESULTS", str(tmp_path / "chosen"))
+    assert summary.write("startup", rows, smoke=False) == tmp_path / "chosen" / "startup.json"
+    assert summary.write("startup", rows, smoke=True) is None
+    assert {p.name: p.read_bytes() for p in (REPO / "benchmarks" / "results").glob("*.json")} == recorded

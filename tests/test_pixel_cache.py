@@ -106,6 +106,11 @@ def test_cache_metrics_equal_the_jpeg_path_at_every_world_size(tree, tmp_path):
     [folder] = list(cache.iterdir())
     parts = sorted(json.loads(p.read_text())["start"] for p in (folder / "parts").glob("*.json"))
     assert parts == [0, 16, 32]  # one part per rank of the W=3 build (batch-aligned shards of 8)
+    import xxhash
+
+    files = [Path(p) for p, _ in __import__("torchvision").datasets.ImageFolder(str(tree)).samples]
+    rec = json.loads((folder / "parts" / "16-32.json").read_text())  # the sources' digests, filled by the workers
+    assert rec["sources"] == [xxhash.xxh3_64(files[i].read_bytes()).hexdigest() for i in range(16, 32)]
     for w, workers in ((1, 0), (2, 0), (2, 2)):
         run = tmp_path / f"read{w}{workers}"
         proc = run_disteval(*_job(tree, cache, "data.cache=pixels", f"dist.world_size={w}", f"data.num_workers={workers}"),
@@ -307,6 +312,9 @@ def test_an_input_bound_run_is_named_and_apply_measures_the_pixel_cache(tree, tm
     assert pipe["remedies"][0] == "data.cache=pixels"
     assert abs(pipe["delivered_images_per_s"] - N / per_rank["loop"]) < 1e-6
     assert "pipeline: input-bound: the loader delivered" in proc.stdout + proc.stderr
+    html = (run / "report.html").read_text()  # the HTML report's stage bars: the rank's loop and the workers' time
+    assert '<section id="pipeline">' in html and 'class="stagebar" data-rank="0"' in html
+    assert 'data-stage="wait_for_data"' in html and 'data-stage="decode"' in html and "input-bound: the loader" in html
     doc = diagnostics_cli(["doctor", str(run), "--json"], tmp_path)
     entry = json.loads(doc.stdout)
     [finding] = [f for f in entry["runs"][0]["checks"] if f["check"] == "input_pipeline"]

@@ -39,7 +39,8 @@ def summarize(records: list[dict | None], cpu_cores: int | None = None) -> dict 
         if all(s is not None for s in secs):
             rates = [_rate(r["images"], s) for r, s in zip(recs, secs)]
             stages[name] = {"seconds": max(secs), "share_of_loop": max(s / r["loop"] for r, s in zip(recs, secs)),
-                            "images_per_s": sum(rates) if all(rates) else None}
+                            # waiting is no stage that could take images: no rate for it
+                            "images_per_s": sum(rates) if all(rates) and name != "wait_for_data" else None}
     hosts = [r.get("host") for r in recs]
     workers = sum(max(int(r.get("num_workers") or 0), 1) for r in recs)
     if all(h and h.get("items") for h in hosts):

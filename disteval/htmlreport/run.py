@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from disteval.common.pipeline import console_line as pipeline_line
 from disteval.htmlreport.render import items, png_uri, read_json, write_page
 from disteval.htmlreport.timeline import timeline
 
@@ -80,7 +81,35 @@ def run_context(run_dir: Path, figures_of: Callable[[dict], list] | None = None)
             "timeline": None if line is None else dict(line, src=png_uri(line["figure"])),
             "comm": results.get("comm") or {}, "timings": results.get("timings") or {},
             "per_rank": results.get("per_rank") or [], "warnings": list(results.get("warnings") or []),
-            "notes": notes}
+            "pipeline": pipeline_bars(results), "notes": notes}
+
+
+STAGE_COLOURS = {"wait_for_data": "#d9534f", "forward": "#1f77b4", "metric_update": "#9467bd", "other": "#c7c7c7",
+                 "read": "#8c564b", "decode": "#ff7f0e", "transform": "#2ca02c"}
+
+
+def pipeline_bars(results: dict) -> dict | None:
+    """The input pipeline's stage bars (results.json ``pipeline`` and ``per_rank[].pipeline``): per rank, its loop
+    split into waiting for data, forward, metric update and the rest; the loader workers' time split into read,
+    decode and transform. Each segment: stage, seconds, percent. None without a pipeline record."""
+    pipe = results.get("pipeline")
+    if not pipe:
+        return None
+    ranks = []
+    for p in results.get("per_rank") or []:
+        rec = p.get("pipeline") or {}
+        loop = rec.get("loop") or 0.0
+        if loop <= 0:
+            continue
+        segs = [(s, float(rec.get(s) or 0.0)) for s in ("wait_for_data", "forward", "metric_update")]
+        segs.append(("other", max(loop - sum(v for _, v in segs), 0.0)))
+        ranks.append({"rank": p["rank"], "segments": [{"stage": s, "seconds": v, "pct": 100 * v / loop,
+                                                       "colour": STAGE_COLOURS[s]} for s, v in segs]})
+    host = [{"stage": s, "seconds": (pipe["stages"].get(s) or {}).get("worker_seconds"),
+             "pct": 100 * ((pipe["stages"].get(s) or {}).get("share_of_worker_time") or 0.0), "colour": STAGE_COLOURS[s],
+             "per_worker": (pipe["stages"].get(s) or {}).get("images_per_s_per_worker")}
+            for s in ("read", "decode", "transform") if s in pipe.get("stages", {})]
+    return {"summary": pipe, "ranks": ranks, "host": host, "line": pipeline_line(pipe)}
 
 
 def write_run_report(run_dir: str | Path, figures_of: Callable[[dict], list] | None = None) -> Path:
