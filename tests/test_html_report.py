@@ -275,3 +275,28 @@ def test_every_task_family_draws_its_figures(family, tmp_path):
         assert not_blank(np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))), f.key
     main = {"detection": "AP", "segmentation": "mIoU", "embedding": "knn_weighted_k20_top1"}[family]
     assert f"{metrics[main]:.4f}" in html, (main, metrics[main])
+
+
+def test_a_tensor_parallel_run_writes_its_report(tmp_path):
+    """``+experiment=imagenet_vit_tp`` (a device mesh: its comm record has no per-op bytes) writes report.html
+    with its collectives, the input pipeline and the metrics (it failed with "'dict object' has no attribute
+    'bytes_by_op'"); a ViT-B/16 at 32 px on 8 of the shipped images keeps it to seconds."""
+    from conftest import SAMPLE, sample_tree
+
+    if not SAMPLE.is_dir():
+        pytest.skip(f"the shipped ImageNet sample is not at {SAMPLE}")
+    root = sample_tree(tmp_path / "val", limit=8)
+    run_dir = tmp_path / "tp"
+    proc = subprocess.run([sys.executable, "-m", "disteval", "+experiment=imagenet_vit_tp", f"data.root={root}",
+                           "data.resize_size=32", "data.crop_size=32", "+model.kwargs.image_size=32", "model.num_classes=8",
+                           f"hydra.run.dir={run_dir}", "eval.progress=false"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "could not write" not in proc.stderr, proc.stderr[-2000:]
+    res = load_results(run_dir)
+    html = (run_dir / "report.html").read_text()
+    self_contained(html)
+    assert res["parallel"] and f"{res['metrics']['top1']:.4f}" in html
+    for op in res["comm"]["by_op"]:
+        assert f"<td>{op}</td>" in html, op
+    assert '<section id="pipeline">' in html
