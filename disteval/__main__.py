@@ -14,14 +14,17 @@ def entry() -> None:
     from disteval.common import startup
 
     startup.mark_process_start()
-    if not startup.info_request(sys.argv[1:]):
-        startup.progress("starting: importing torch and Hydra, then composing the config")
-    from disteval.cli import main
-
     try:
+        if not startup.info_request(sys.argv[1:]):
+            startup.progress("starting: importing torch and Hydra, then composing the config")
+        from disteval.cli import main
+
         main()
     except SystemExit as exc:
         code = exc.code
+    except KeyboardInterrupt:  # Ctrl-C before the run could handle it (imports, composing, checks): one line
+        print("disteval: interrupted (SIGINT) before the run started; nothing was run", file=sys.stderr, flush=True)
+        code = 130  # as shells report a death by SIGINT: 128 + 2
     else:
         code = 0
     if code is None or isinstance(code, int):  # what the run left to do is done: skip the module teardown

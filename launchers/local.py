@@ -222,7 +222,10 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    # torch gives some of its loggers a level of their own (the agent's "Received 2 death signal" warning on
+    # Ctrl-C is one): each is set, not only the parents; disteval says what happened itself
+    for name in [*quiet, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(quiet))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     if rendezvous is not None and rendezvous.nnodes > 1:
         placement = rendezvous.launch_config(world_size)
@@ -285,6 +288,36 @@ def _rank_main(entry: Callable[..., Any], variables: dict[str, str | None], *arg
         else:
             os.environ[name] = value
     return entry(*args)
+
+
+def _quiet_abandoned_start(kind, value, tb) -> None:
+    """``sys.excepthook`` of the fork server's children: a rank whose launch was abandoned while it was being forked
+    (Ctrl-C in the driver: the launch's semaphores are gone, so unpickling the process fails with FileNotFoundError)
+    ends silently, the driver having said what happened in one line; any other start-up error is one line."""
+    import sys
+
+    if issubclass(kind, FileNotFoundError) and tb is not None and "SemLock" in traceback_text(tb):
+        return
+    print(f"disteval: a rank process could not start: {kind.__name__}: {value}", file=sys.stderr, flush=True)
+
+
+def traceback_text(tb) -> str:
+    import traceback
+
+    return "".join(traceback.format_tb(tb))
+
+
+def _in_fork_server() -> bool:
+    """Whether this process is multiprocessing's fork server (it imports this module as a preload)."""
+    import sys
+
+    return any("multiprocessing.forkserver import main" in a for a in getattr(sys, "orig_argv", []))
+
+
+if _in_fork_server():
+    import sys as _sys
+
+    _sys.excepthook = _quiet_abandoned_start
 
 
 @contextlib.contextmanager
