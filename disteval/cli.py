@@ -27,7 +27,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from disteval import driverlog
 from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
-from disteval.config import DistevalConfig, conf_dir, job_config, moved_key, register_schemas
+from disteval.config import DistevalConfig, conf_dir, job_config, moved_key, register_schemas, unknown_key
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
                              RunInterrupted, SweepExit)
 from disteval import rundir
@@ -242,7 +242,8 @@ def main() -> None:
         Plugins.instance().register(launcher)
     if not startup.info_request(sys.argv[1:]):
         startup.progress("composing the config")
-    problem = unparsable_override(sys.argv[1:]) or next(filter(None, map(moved_key, sys.argv[1:])), None)
+    problem = (unparsable_override(sys.argv[1:]) or next(filter(None, map(moved_key, sys.argv[1:])), None)
+               or next(filter(None, map(unknown_key, sys.argv[1:])), None))
     if problem:
         _err.print(f"[bold red]disteval: configuration error[/] {escape(problem)}", soft_wrap=True, highlight=False)
         sys.exit(2)

@@ -538,6 +538,55 @@ MOVED_KEYS = {"eval.topk": "eval.classification.topk", "eval.ece_bins": "eval.cl
               "eval.iou_type": "eval.detection.iou_type", "eval.ignore_index": "eval.segmentation.ignore_index"}
 
 
+CONFIG_GROUPS = {"model", "data", "precision", "communication", "dist", "console", "logger", "experiment", "hydra"}
+
+
+def schema_keys(cls: type = None, prefix: str = "") -> tuple[set[str], set[str]]:
+    """``(keys, open_nodes)`` of the job schema (``DistevalConfig``): every dotted key a command line may set, and
+    the nodes whose children are free (``Dict``/``Any`` fields such as ``model.kwargs``)."""
+    import dataclasses
+    import typing
+
+    cls = cls or DistevalConfig
+    keys, open_nodes = set(), set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        keys.add(key)
+        if dataclasses.is_dataclass(tp):
+            sub, sub_open = schema_keys(tp, key + ".")
+            keys |= sub
+            open_nodes |= sub_open
+        elif tp is Any or typing.get_origin(tp) in (dict, typing.Union) and (
+                typing.get_origin(tp) is dict or Any in typing.get_args(tp)):
+            open_nodes.add(key)
+    return keys, open_nodes
+
+
+def unknown_key(override: str) -> str | None:
+    """A message for a command-line ``override`` (``key=value``, ``+key=value``) whose key the job schema does not
+    have (a misspelling: Hydra's own error suggests ``+key=...``, which fails again), naming the closest valid
+    keys; None for a known key, a key under a free node (``model.kwargs.*``), a config group choice, a deletion
+    or a ``hydra.*`` key."""
+    import difflib
+
+    if override.startswith("~") or "=" not in override:
+        return None
+    key = override.lstrip("+").split("=", 1)[0]
+    if "/" in key or key.split(".")[0] == "hydra" or "." not in key and key in CONFIG_GROUPS:
+        return None
+    keys, open_nodes = schema_keys()
+    if key in keys or any(key.startswith(node + ".") for node in open_nodes):
+        return None
+    parent = key.rsplit(".", 1)[0]
+    depth = key.count(".")  # keys as deep as the one given: a misspelt leaf suggests leaves, not their node
+    close = difflib.get_close_matches(key, sorted(k for k in keys if k.count(".") == depth), n=3, cutoff=0.8)
+    hint = f"did you mean {' or '.join(close)}?" if close else (
+        f"the keys of {parent}: {', '.join(sorted(k.rsplit('.', 1)[1] for k in keys if k.rsplit('.', 1)[0] == parent))}"
+        if parent in keys else "see docs/configuration.md")
+    return f"{key}: no such key; {hint}"
+
+
 def moved_key(override: str) -> str | None:
     """A message for a command-line ``override`` that sets (or deletes, ``~``) a key of ``MOVED_KEYS``, naming
     its new place and the override to use instead, else None."""

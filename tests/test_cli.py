@@ -373,3 +373,26 @@ def test_local_and_submitit_consoles_of_one_job_are_the_same(tmp_path):
     assert not (tmp_path / "submitit" / "launch.json").exists() and (tmp_path / "submitit" / ".submitit").is_dir()
     a, b = _console(local.stdout), _console(submitted.stdout)
     assert a == b and "│ top-1 accuracy │ 1.0000 │" in a and len(a) > 15, "\n".join(a + ["---"] + b)
+
+
+@pytest.mark.parametrize("override,suggested", [("data.batchsize=32", "data.batch_size"),
+                                                ("+data.batchsize=32", "data.batch_size"),
+                                                ("dist.world_sizes=2", "dist.world_size"), ("seeds=1", "seed"),
+                                                ("eval.classifcation.topk=[1]", "eval.classification.topk")])
+def test_a_misspelt_key_is_one_line_with_the_closest_key(tmp_path, override, suggested):
+    """A key the schema does not have (Hydra's 8-line error suggests ``+key=...``, which fails again): one line naming
+    it and the closest valid key, exit 2, before Hydra composes (no run directory)."""
+    from disteval.config import schema_keys, unknown_key
+
+    proc = run_disteval(override, run_dir=tmp_path / "run")
+    # beside the progress lines ("disteval: [T s] ..." or, in the test's process, "disteval: composing ...")
+    lines = [l for l in proc.stderr.splitlines() if "error" in l.lower() or "override" in l.lower()]
+    key = override.lstrip("+").split("=")[0]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0] == f"disteval: configuration error {key}: no such key; did you mean {suggested}?", lines
+    assert not (tmp_path / "run").exists()
+    keys, _ = schema_keys()
+    assert suggested in keys and key not in keys  # the schema's own keys, not a list kept by hand
+    for fine in ("data.batch_size=32", "model.kwargs.image_size=32", "+model.kwargs.x=1", "data=imagefolder",
+                 "+experiment=digits", "hydra.run.dir=x", "logger=csv", "~data.limit"):
+        assert unknown_key(fine) is None, fine
