@@ -56,6 +56,20 @@ MARK = "DISTEVAL_NETLAB"
 DEFAULT_BASE = "/var/tmp/disteval-netlab"  # not under /tmp: nodes replace /tmp with their own
 
 
+def hidden_by_private_tmp() -> str | None:
+    """Why the lab's nodes could not run this Python (a node replaces /tmp with its own, so an interpreter, virtual
+    environment or checkout under /tmp is missing there and every command in a node exits 127 with nsenter's "No
+    such file or directory"), or None. Checked at lab start."""
+    where = {"the interpreter": os.path.realpath(sys.executable), "its environment (sys.prefix)": os.path.realpath(sys.prefix),
+             "the disteval package": os.path.realpath(os.path.dirname(os.path.dirname(__file__)))}
+    under = [f"{what} {path}" for what, path in where.items() if path == "/tmp" or path.startswith("/tmp/")]
+    if not under:
+        return None
+    return (f"the network lab's nodes have a private /tmp, so {' and '.join(under)} would not exist inside them "
+            "(commands there would exit 127): put the virtual environment and the checkout outside /tmp "
+            "(e.g. /var/tmp or your home) and run again")
+
+
 class NetLabError(RuntimeError):
     """A lab command failed; the message holds the command and its stderr."""
 
@@ -178,6 +192,9 @@ class NetLab:
             raise NetLabError(f"lab name {self.name!r}: at most 6 letters or digits (interface names are short)")
         if not 1 <= self.nodes <= 200:
             raise NetLabError(f"nodes={self.nodes}: 1..200")
+        hidden = hidden_by_private_tmp()
+        if hidden:
+            raise NetLabError(hidden)
         cleanup_stale(self.name, self.base)
         try:
             with _building():
