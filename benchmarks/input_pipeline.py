@@ -219,7 +219,7 @@ def main() -> int:
                      f"{rates['pil']:,.0f}", ratio_cache),
                  row(f"job from the pixel cache vs bare forward loop ({args.model}, images/s)", f"{job_cache:,.1f}",
                      f"{bare:,.1f}", job_cache / bare),
-                 row(f"turbo vs PIL decode, images/s per worker", f"{rates['turbo']:,.0f}", f"{rates['pil']:,.0f}",
+                 row("turbo vs PIL decode, images/s per worker", f"{rates['turbo']:,.0f}", f"{rates['pil']:,.0f}",
                      rates["turbo"] / rates["pil"])]
     return finish("input_pipeline", headline, problems, args.smoke, console)
 

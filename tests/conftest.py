@@ -17,9 +17,19 @@ SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helper modules, also for spawned ranks
 SAMPLE = SHARED / "data" / "imagenet-sample-224"  # 1000 ImageNet images, flat: <wnid>_<label>.jpg
 
-_spec = importlib.util.spec_from_file_location("imagenet_sample_tree", REPO / "scripts" / "imagenet_sample_tree.py")
-_sample_tree_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_sample_tree_script)
+def script(name: str):
+    """``scripts/<name>.py`` imported as the module ``name`` (registered in sys.modules, so that what it hands to a
+    process pool pickles by reference); its main() does not run."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_sample_tree_script = script("imagenet_sample_tree")
 
 
 def sample_tree(root: Path, limit: int | None = None) -> Path:

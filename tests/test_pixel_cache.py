@@ -4,7 +4,6 @@ several loader worker counts (bitwise mode); a damaged, truncated or foreign cac
 pixels; two jobs never both build it."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, SAMPLE, load_results, run_disteval
+from conftest import SAMPLE, load_results, run_disteval, script
 
 pytestmark = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"needs the shipped ImageNet sample at {SAMPLE}")
 
@@ -26,11 +25,7 @@ MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("make_imagenet_like", REPO / "scripts" / "make_imagenet_like.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return script("make_imagenet_like")
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def check_decoder(decode: str) -> None:
         raise ConfigError("data.decode", f"{decode!r} is not one of {list(DECODERS)}")
     if decode == "turbo":
         try:
-            import simplejpeg  # noqa: F401
+            import simplejpeg  # noqa: F401 - only whether it imports
         except ImportError as exc:
             raise ConfigError("data.decode", "turbo needs simplejpeg (libjpeg-turbo): pip install "
                               f"'disteval[turbo]' ({exc})") from None
