@@ -616,8 +616,7 @@ def _pipeline(cfg: Any, per_rank: list[dict]) -> dict | None:
     summary = pipeline.summarize([p.get("pipeline") for p in per_rank], len(os.sched_getaffinity(0)))
     if summary is None:
         return None
-    data = {k: plain(getattr(cfg.data, k, None)) for k in ("name", "cache", "num_workers", "decode_on_device")}
-    return dict(summary, remedies=pipeline.remedies(summary, data))
+    return dict(summary, remedies=pipeline.remedies(summary, cfg.data))
 
 
 def write_results(run_dir: str, results: dict) -> Path:

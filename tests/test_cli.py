@@ -353,7 +353,9 @@ def _console(stdout: str) -> list[str]:
     for line in stdout.splitlines():
         if line.startswith(("[20", "evaluating", "results:")) or not re.search(r"[\w]", line):
             continue  # log lines, the progress bar, the path, table borders (their width follows the values)
-        if any(k in line for k in ("throughput", "wall time", "collectives", "evaluation (s)")):
+        if line.startswith("pipeline:"):  # its rates are timings: only that the line is there
+            line = "pipeline:"
+        elif any(k in line for k in ("throughput", "wall time", "collectives", "evaluation (s)")):
             line = line.split("│")[1].strip()  # the label only
         elif re.match(r"│\s+\d+ │", line):  # a per-rank row: rank, host, shard, samples (not images/s)
             line = "│".join(line.split("│")[:5])

@@ -241,15 +241,27 @@ time.sleep(2)
     assert waited > 1.0 and said == [f"pixel cache {cache.folder} is being built by pid {holder.pid} on test: waiting for it"]
 
 
-def test_turbo_decoding_is_recorded_and_close_to_pil(tree):
+def test_turbo_decoding_equals_pil_without_dct_scaling_and_differs_with_it(tree):
+    """data.decode=turbo: simplejpeg's full-size decode gives Pillow's pixels bit for bit (both libjpeg-turbo's
+    ISLOW DCT with fancy upsampling); with DCT-domain downscaling (here 1/4: ~375 px short sides for a 72 px resize)
+    the crops differ, by a few grey levels on average (measured 5.3 at 72 px; benchmarks/input_pipeline.py reports
+    it as parity), which is why results.json records the decoder."""
     pytest.importorskip("simplejpeg")
-    from disteval.data.pixels import PixelFolder
+    from PIL import Image
 
+    from disteval.data.pixels import PixelFolder, decode_image
+
+    files = sorted(tree.glob("*/*.JPEG"))[:12]
+    for f in files:
+        data = f.read_bytes()
+        full = np.asarray(decode_image(data, "turbo", 10 ** 6))  # a target no scale reaches: full size
+        with Image.open(f) as im:
+            assert np.array_equal(full, np.asarray(im.convert("RGB"))), f.name
+        assert decode_image(data, "turbo", RESIZE).size[0] < full.shape[1]  # scaled in the DCT domain
     pil, turbo = PixelFolder(str(tree), RESIZE, CROP, "pil"), PixelFolder(str(tree), RESIZE, CROP, "turbo")
     a = torch.stack([pil[i][0] for i in range(N)]).float()
     b = torch.stack([turbo[i][0] for i in range(N)]).float()
-    diff = (a - b).abs().mean().item()
-    assert diff < 3.0  # grey levels; DCT-domain downscaling (to >= the resize target) changes pixels a little
+    assert 0 < (a - b).abs().mean().item() < 12.0
 
 
 def test_device_decode_is_batched_by_size_and_bisects_to_the_bad_image(tree, tmp_path):

@@ -65,20 +65,20 @@ def summarize(records: list[dict | None], cpu_cores: int | None = None) -> dict 
     return out
 
 
-def remedies(summary: dict, data: dict) -> list[str]:
+def remedies(summary: dict, data: Any) -> list[str]:
     """Overrides that fit an input-bound run, most effective first: the exact pixel cache (imagefolder data
-    without one), more loader workers (up to the cores per rank), device decode. ``data``: the run's data
-    settings (name, cache, num_workers, decode_on_device)."""
+    without one), more loader workers (up to the cores per rank), device decode. ``data``: the run's typed ``data``
+    config (name, cache, num_workers, decode_on_device)."""
     if not summary or summary.get("bound") != "input":
         return []
     out = []
-    if data.get("name") == "imagefolder" and str(data.get("cache", "none")) == "none":
+    files = data.name == "imagefolder" and str(data.cache) == "none" and not data.decode_on_device
+    if files:
         out.append("data.cache=pixels")
     cores, ranks = summary.get("cpu_cores"), max(int(summary.get("ranks") or 1), 1)
-    workers = int(data.get("num_workers") or 0)
-    if cores and workers < max(cores // ranks - 1, 1):
+    if cores and int(data.num_workers) < max(cores // ranks - 1, 1):
         out.append(f"data.num_workers={max(cores // ranks - 1, 1)}")
-    if data.get("name") == "imagefolder" and not data.get("decode_on_device") and str(data.get("cache")) == "none":
+    if files:
         out.append("data.decode_on_device=true")
     return out
 

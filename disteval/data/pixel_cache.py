@@ -67,7 +67,7 @@ def library_versions(decode: str) -> dict:
 
 def settings_of(data: Any) -> dict:
     """The preprocessing that decides the pixels: decoder, resize, crop, dtype, layout and library versions."""
-    decode = str(getattr(data, "decode", "pil"))
+    decode = str(data.decode)
     return {"format": FORMAT, "decode": decode, "resize_size": int(data.resize_size), "crop_size": int(data.crop_size),
             "interpolation": "bilinear", "antialias": True, "dtype": "uint8", "layout": "NCHW",
             "libraries": library_versions(decode)}
@@ -103,7 +103,7 @@ class PixelCache:
         root = str(Path(data.root).resolve())
         settings = settings_of(data)
         key = _digest({"root": root, "settings": settings})[:16]
-        base = Path(data.cache_dir) if getattr(data, "cache_dir", None) else cache_root() / "pixels"
+        base = Path(data.cache_dir) if data.cache_dir else cache_root() / "pixels"
         self.folder = base / f"{Path(root).name or 'root'}-{key}"
         self.crop = settings["crop_size"]
         files = file_list(samples, root)
@@ -417,8 +417,8 @@ def pixel_dataset(data: Any) -> Any:
     a cache of other data) or DataError (a damaged part)."""
     from disteval.data.pixels import PixelFolder
 
-    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(getattr(data, "decode", "pil")))
-    mode = str(getattr(data, "cache", "none"))
+    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(data.decode))
+    mode = str(data.cache)
     if mode == "none":
         return folder
     cache = PixelCache(data, folder.samples, folder.classes)
@@ -443,7 +443,7 @@ def pixel_dataset(data: Any) -> Any:
 def _cache_of(data: Any) -> tuple[PixelCache, int]:
     from disteval.data.pixels import PixelFolder
 
-    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(getattr(data, "decode", "pil")))
+    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(data.decode))
     n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
     return PixelCache(data, folder.samples, folder.classes), n
 
@@ -453,7 +453,7 @@ def preflight_cache(data: Any) -> str | None:
     the run will do with the cache (read it, or build it), None without a cache. Raises ConfigError naming
     data.cache when the folder holds a cache of other data or another transform (``data.cache=rebuild``
     discards it instead, under the build lock)."""
-    if str(getattr(data, "cache", "none")) == "none" or data.name != "imagefolder":
+    if str(data.cache) == "none" or data.name != "imagefolder":
         return None
     cache, n = _cache_of(data)
     if str(data.cache) == "rebuild":
@@ -470,7 +470,7 @@ def driver_build_lock(data: Any, say: Callable[[str], None]) -> Iterator[None]:
     """Around the driver's launch: with ``data.cache`` set and the cache incomplete (or ``rebuild``), hold its
     ``build_lock`` for the run (waiting for another job that builds it); ``rebuild`` clears the old parts once the
     lock is held. A no-op otherwise."""
-    mode = str(getattr(data, "cache", "none"))
+    mode = str(data.cache)
     if mode == "none" or data.name != "imagefolder":
         yield
         return

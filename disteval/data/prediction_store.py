@@ -51,7 +51,7 @@ def classification_columns(outputs: torch.Tensor, targets: torch.Tensor, ids: to
 def preprocessing_values(data_cfg: Any) -> dict:
     """The data settings in ``PREPROCESSING_KEYS`` as plain values (the manifest keeps them, so that a refusal
     names the setting that differs)."""
-    return json.loads(json.dumps({k: plain(getattr(data_cfg, k, None)) for k in PREPROCESSING_KEYS}, default=str))
+    return json.loads(json.dumps({k: plain(getattr(data_cfg, k)) for k in PREPROCESSING_KEYS}, default=str))
 
 
 def preprocessing_digest(data_cfg: Any) -> str:
