@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from disteval.data.device_feed import DeviceFeed
+from disteval.data.pixels import TimedCollate
 from disteval.data.sharding import build_sampler, sampler_span
 from disteval.data.streaming import StreamSource
 from disteval.data.wds_stream import StreamBatch
@@ -85,7 +86,7 @@ class LoopProgress:
     dummy_planned: int = 0  # forwards planned after the shard whose outputs are discarded (lockstep)
     dummy_steps: int = 0  # of those, run so far
     # the loop's stage seconds (StageTimer: wait_for_data, forward, metric_update) and the loader's host stages
-    # (read, decode, transform: worker-seconds) when the dataset times them; read with ``pipeline_record``
+    # (read, decode, transform, collate: worker-seconds) when the dataset times them; read with ``pipeline_record``
     timer: Any = None
     stages: dict = field(default_factory=dict)
 
@@ -141,11 +142,13 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
         return kept[1], kept[2]
     workers = spec.num_workers > 0
     persistent = workers and spec.persistent_workers and spec.skip == 0
+    clock = getattr(dataset, "stage_clock", None)  # a dataset that times its stages has its batches' collation timed
+    collate = TimedCollate(clock, spec.collate_fn) if clock is not None else spec.collate_fn
     loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.num_workers,
                         pin_memory=spec.pin_memory, persistent_workers=persistent,
                         prefetch_factor=spec.prefetch_factor if workers else None,
                         timeout=(spec.loader_timeout_s or 0) if workers else 0,
-                        collate_fn=spec.collate_fn, **_worker_processes(spec.num_workers))
+                        collate_fn=collate, **_worker_processes(spec.num_workers))
     if persistent:
         _PERSISTENT[key] = (dataset, loader, sampler)
     return loader, sampler
@@ -243,6 +246,8 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
         _stop_workers(loader.batches if isinstance(loader, DeviceFeed) else batches, keep_persistent=ok)
     progress.seconds_forward = time.perf_counter() - t0
     progress.seconds_warmup = max(progress.seconds_warmup, 0.0)
+    if isinstance(loader, DeviceFeed) and loader.copies:  # CUDA: the side stream's host-to-device copies
+        timer.events["host_to_device"] = loader.copies
     progress.timer = timer
     progress.stages.update(loop=progress.seconds_forward, images=progress.samples - n0)
     evaluator.finish_local()
@@ -292,7 +297,7 @@ def pipeline_record(progress: LoopProgress) -> dict:
     """This rank's input pipeline, stage by stage (results.json ``per_rank[].pipeline``): ``images`` evaluated,
     ``loop`` seconds, ``wait_for_data``/``forward``/``metric_update`` seconds (the forward on a CUDA device timed
     by events; read here, after the loop, so the loop itself never waits for the device), and ``host``: the
-    loader's read/decode/transform worker-seconds, items and active workers (datasets that time them), with
+    loader's read/decode/transform/collate worker-seconds, items and active workers (datasets that time them), with
     ``num_workers``."""
     out = dict(progress.stages)
     if progress.timer is not None:
@@ -407,7 +412,7 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         raise
     if tap is not None:
         tap.finish(ok=True)
-    if clock is not None:  # the loader's host stages (read, decode, transform), summed over its workers
+    if clock is not None:  # the loader's host stages (read, decode, transform, collate), summed over its workers
         progress.stages["host"] = clock.totals()
         progress.stages["num_workers"] = spec.num_workers
     return run_dummy_steps(model, step, progress, hooks, spec.dummy_inputs)

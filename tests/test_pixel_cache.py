@@ -314,6 +314,7 @@ def test_an_input_bound_run_is_named_and_apply_measures_the_pixel_cache(tree, tm
     pipe = load_results(run)["pipeline"]
     per_rank = load_results(run)["per_rank"][0]["pipeline"]
     assert per_rank["images"] == N and per_rank["host"]["items"] == N and per_rank["num_workers"] == 0
+    assert per_rank["host"]["collate"] > 0 and "host_to_device" not in per_rank  # collation timed; no CUDA copies
     assert per_rank["wait_for_data"] >= per_rank["host"]["decode"]  # without workers, decoding is the loop's wait
     assert pipe["bound"] == "input" and pipe["bound_stage"] in ("decode", "transform")
     assert pipe["remedies"][0] == "data.cache=pixels"

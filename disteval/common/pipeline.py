@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-HOST_STAGES = ("read", "decode", "transform")
-LOOP_STAGES = ("wait_for_data", "forward", "metric_update")
+HOST_STAGES = ("read", "decode", "transform", "collate")
+LOOP_STAGES = ("wait_for_data", "forward", "metric_update")  # host_to_device too where recorded (CUDA)
 INPUT_BOUND_WAIT = 0.25  # a rank that waited for data this share of its loop or more was input-bound
 
 
@@ -34,7 +34,7 @@ def summarize(records: list[dict | None], cpu_cores: int | None = None) -> dict 
     out: dict[str, Any] = {"images": images, "ranks": len(recs),
                            "delivered_images_per_s": sum(r["images"] / r["loop"] for r in recs)}
     stages: dict[str, dict] = {}
-    for name in LOOP_STAGES:
+    for name in (*LOOP_STAGES, "host_to_device"):
         secs = [r.get(name) for r in recs]
         if all(s is not None for s in secs):
             rates = [_rate(r["images"], s) for r, s in zip(recs, secs)]
@@ -44,7 +44,7 @@ def summarize(records: list[dict | None], cpu_cores: int | None = None) -> dict 
     hosts = [r.get("host") for r in recs]
     workers = sum(max(int(r.get("num_workers") or 0), 1) for r in recs)
     if all(h and h.get("items") for h in hosts):
-        total = {s: sum(h[s] for h in hosts) for s in HOST_STAGES}
+        total = {s: sum(h.get(s) or 0.0 for h in hosts) for s in HOST_STAGES}
         items = sum(h["items"] for h in hosts)
         busy = sum(total.values())
         for s in HOST_STAGES:

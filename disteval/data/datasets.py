@@ -80,7 +80,7 @@ class IndexedDataset(Dataset):
 
     @property
     def stage_clock(self) -> Any:
-        """The base's ``StageClock`` (seconds of its read/decode/transform stages; ``disteval.data.pixels``), or
+        """The base's ``StageClock`` (seconds of its read/decode/transform/collate stages; ``disteval.data.pixels``), or
         None."""
         return getattr(self.base, "clock", None)
 

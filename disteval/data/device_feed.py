@@ -20,6 +20,9 @@ class DeviceFeed:
     def __init__(self, loader: Iterable, device: torch.device, tap: Callable[[Any], None] | None = None):
         self.loader, self.device, self.tap = loader, torch.device(device), tap
         self.batches: Iterator | None = None  # the loader's iterator of the pass in progress (its workers)
+        # CUDA: a (start, end) event pair around each batch's copy on the side stream, read after the loop
+        # (disteval.loop.StageTimer: results.json per_rank[].pipeline.host_to_device)
+        self.copies: list = []
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -36,8 +39,12 @@ class DeviceFeed:
         ahead = None
         for batch in source:
             side.wait_stream(compute)  # buffers the compute stream freed may be reused by the copy
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(side):
+                start.record(side)
                 moved = _batch_to(batch, self.device)
+                end.record(side)
+            self.copies.append((start, end))
             if ahead is not None:
                 yield ahead
             compute.wait_stream(side)

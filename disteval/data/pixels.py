@@ -27,7 +27,7 @@ from torch.utils.data import get_worker_info
 from disteval.errors import ConfigError, DataError
 
 DECODERS = ("pil", "turbo")
-HOST_STAGES = ("read", "decode", "transform")  # seconds summed over the items, per loader worker
+HOST_STAGES = ("read", "decode", "transform", "collate")  # seconds summed per loader worker (collate: per batch)
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
 
@@ -39,13 +39,20 @@ class StageClock:
     def __init__(self, max_workers: int = 64):
         self.table = torch.zeros(max_workers + 1, len(HOST_STAGES) + 1, dtype=torch.float64).share_memory_()
 
-    def add(self, seconds: Sequence[float]) -> None:
-        """Add one item's stage seconds (in ``HOST_STAGES`` order) to this process's row."""
+    def _row(self) -> int:
         info = get_worker_info()
-        row = 0 if info is None else min(info.id + 1, self.table.shape[0] - 1)
+        return 0 if info is None else min(info.id + 1, self.table.shape[0] - 1)
+
+    def add(self, seconds: Sequence[float]) -> None:
+        """Add one item's read, decode and transform seconds to this process's row (and count the item)."""
+        row = self._row()
         for j, s in enumerate(seconds):
             self.table[row, j] += s
         self.table[row, -1] += 1
+
+    def add_collate(self, seconds: float) -> None:
+        """Add one batch's collation seconds to this process's row."""
+        self.table[self._row(), HOST_STAGES.index("collate")] += seconds
 
     def reset(self) -> None:
         self.table.zero_()
@@ -161,6 +168,22 @@ class PixelFolder:
     def host_tap(self, start: int, end: int) -> Any:
         """The pixel cache's writer of shard ``[start, end)`` when this run builds the cache, else None."""
         return self.cache_writer(self, start, end) if self.cache_writer is not None else None
+
+
+class TimedCollate:
+    """A loader's ``collate_fn`` (``collate``: torch's default when None) whose seconds go to ``clock``'s ``collate``
+    stage, in the worker that collates (pickles by reference: the workers are forked)."""
+
+    def __init__(self, clock: StageClock, collate: Any = None):
+        from torch.utils.data import default_collate
+
+        self.clock, self.collate = clock, collate or default_collate
+
+    def __call__(self, items: list) -> Any:
+        t = time.perf_counter()
+        out = self.collate(items)
+        self.clock.add_collate(time.perf_counter() - t)
+        return out
 
 
 class PixelNormalizer:

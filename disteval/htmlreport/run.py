@@ -85,13 +85,13 @@ def run_context(run_dir: Path, figures_of: Callable[[dict], list] | None = None)
 
 
 STAGE_COLOURS = {"wait_for_data": "#d9534f", "forward": "#1f77b4", "metric_update": "#9467bd", "other": "#c7c7c7",
-                 "read": "#8c564b", "decode": "#ff7f0e", "transform": "#2ca02c"}
+                 "read": "#8c564b", "decode": "#ff7f0e", "transform": "#2ca02c", "collate": "#17becf"}
 
 
 def pipeline_bars(results: dict) -> dict | None:
     """The input pipeline's stage bars (results.json ``pipeline`` and ``per_rank[].pipeline``): per rank, its loop
     split into waiting for data, forward, metric update and the rest; the loader workers' time split into read,
-    decode and transform. Each segment: stage, seconds, percent. None without a pipeline record."""
+    decode, transform and collate. Each segment: stage, seconds, percent. None without a pipeline record."""
     pipe = results.get("pipeline")
     if not pipe:
         return None
@@ -108,7 +108,7 @@ def pipeline_bars(results: dict) -> dict | None:
     host = [{"stage": s, "seconds": (pipe["stages"].get(s) or {}).get("worker_seconds"),
              "pct": 100 * ((pipe["stages"].get(s) or {}).get("share_of_worker_time") or 0.0), "colour": STAGE_COLOURS[s],
              "per_worker": (pipe["stages"].get(s) or {}).get("images_per_s_per_worker")}
-            for s in ("read", "decode", "transform") if s in pipe.get("stages", {})]
+            for s in ("read", "decode", "transform", "collate") if s in pipe.get("stages", {})]
     return {"summary": pipe, "ranks": ranks, "host": host, "line": pipeline_line(pipe)}
 
 
