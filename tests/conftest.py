@@ -169,6 +169,18 @@ UNIT_SECONDS = {"netlab": 1090, "slurm-lab": 434, "test_doctor.py": 412, "slurm"
                 "test_bootstrap.py": 83, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
 
 
+def check_groups_reached_xdist(config, items) -> None:
+    """On an xdist worker with ``--dist loadgroup``: every test's id must carry its group (``@unit``), else xdist
+    schedules test by test and two tests of one lab run on two workers at once, each killing the other's lab (seen
+    2026-12-07 with pytest 9.2, whose node ids ignore xdist's suffix: requirements/lock.txt pins 9.0.3). Raises
+    pytest.UsageError saying so."""
+    if not items or not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    if not any("@" in item.nodeid for item in items):
+        raise pytest.UsageError(f"pytest-xdist's loadgroup did not reach the scheduler with pytest {pytest.__version__}: "
+                                "tests of one unit would run on several workers (install requirements/lock.txt)")
+
+
 def _unit(item) -> str:
     """The xdist group of a test: "slurm", "netlab" or "slurm-lab" (its EXCLUSIVE markers), else its name in a
     SPLIT file, else its file."""
@@ -184,6 +196,11 @@ def _group_for_workers(items) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_unit(item)))
     items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 0))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's worker hook, which appends "@group" to each test's id
+def pytest_collection_finish(session):
+    check_groups_reached_xdist(session.config, session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
