@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from disteval.common.allocator import POLICIES as ALLOCATORS
+from disteval.common.pipeline import DECODERS, PIXEL_CACHE_MODES
 from disteval.errors import ConfigError
 from disteval.precision import check_metric_dtypes
 
@@ -220,10 +221,6 @@ class DataConfig:
             if len(self.mean) != 3 or len(self.std) != 3 or any(v <= 0 for v in self.std):
                 raise ConfigError("data.mean", f"data.mean and data.std need 3 values (RGB), std > 0; got "
                                   f"{list(self.mean)} / {list(self.std)}")
-
-
-DECODERS = ("pil", "turbo")  # disteval.data.pixels
-PIXEL_CACHE_MODES = ("none", "pixels", "rebuild")  # disteval.data.pixel_cache
 
 
 def _check_pixels(data: "DataConfig") -> None:

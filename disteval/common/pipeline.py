@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DECODERS = ("pil", "turbo")  # data.decode (disteval.data.pixels)
+PIXEL_CACHE_MODES = ("none", "pixels", "rebuild")  # data.cache (disteval.data.pixel_cache)
 HOST_STAGES = ("read", "decode", "transform", "collate")
 LOOP_STAGES = ("wait_for_data", "forward", "metric_update")  # host_to_device too where recorded (CUDA)
 INPUT_BOUND_WAIT = 0.25  # a rank that waited for data this share of its loop or more was input-bound

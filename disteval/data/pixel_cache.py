@@ -43,7 +43,6 @@ from disteval.errors import ConfigError, DataError
 
 FORMAT = 1
 BLOCK = 256  # rows per digest block
-CACHE_MODES = ("none", "pixels", "rebuild")
 
 
 def _xxh3_128(buf: Any) -> str:

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import get_worker_info
 
-from disteval.errors import ConfigError, DataError
+from disteval.common.pipeline import DECODERS
+from disteval.errors import ConfigError
 
-DECODERS = ("pil", "turbo")
 HOST_STAGES = ("read", "decode", "transform", "collate")  # seconds summed per loader worker (collate: per batch)
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -145,10 +145,6 @@ class PixelFolder:
         """The bytes of sample ``index``'s file."""
         return Path(self.samples[index][0]).read_bytes()
 
-    def pixels_of(self, data: bytes) -> torch.Tensor:
-        """uint8 [3, crop, crop] of encoded image ``data`` (decode + transform, not timed)."""
-        return self.transform(decode_image(data, self.decode, self.resize_size))
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         t0 = time.perf_counter()
         data = self.read(index)
@@ -208,9 +204,3 @@ class PixelNormalizer:
         y = x[None] if squeeze else x
         y = (y.to(torch.float32) / 255.0).sub_(mean).div_(std)
         return y[0] if squeeze else y
-
-
-def check_pixels(x: torch.Tensor, crop_size: int, where: str) -> None:
-    """Raises DataError naming ``where`` when ``x`` is not uint8 [3, crop, crop]."""
-    if x.dtype != torch.uint8 or tuple(x.shape) != (3, crop_size, crop_size):
-        raise DataError(f"{where}: expected uint8 pixels [3, {crop_size}, {crop_size}], got {x.dtype} {tuple(x.shape)}")
