@@ -133,6 +133,8 @@ def load_run(path: str | Path) -> Run:
         raise FileNotFoundError(f"{path} holds no run records (.hydra/, launch.json, ranks/, results.json)")
     run = Run(path)
     hydra_dir = path / ".hydra"
+    if not hydra_dir.is_dir():  # a node that did not lead a multi-node launch keeps its Hydra records in nodes/<host>/
+        hydra_dir = next(iter(sorted((path / "nodes").glob("*/.hydra"))), hydra_dir)
     if (hydra_dir / "config.yaml").exists():
         try:
             run.config = OmegaConf.load(hydra_dir / "config.yaml")

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import shlex
-import socket
 import sys
 
 import hydra
@@ -34,7 +33,7 @@ from disteval import rundir
 from disteval.records import LaunchRecord
 from disteval.run_report import present_results, write_report
 from disteval.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
-                             leads_nodes, release_run_dir)
+                             leads_nodes, node_dir, release_run_dir)
 
 register_schemas()
 _err = Console(stderr=True)
@@ -110,7 +109,7 @@ def _claim(run_dir: str, overwrite: bool, names: tuple[str, ...]) -> int:
 def _run_claimed(cfg: DictConfig, hc, run_dir: str, external: bool, launcher: str) -> int:
     record = None
     if not external:  # the node that leads a multi-node launch writes launch.json, the others nodes/<host>/launch.json
-        where = run_dir if leads_nodes(cfg) else os.path.join(run_dir, "nodes", socket.gethostname())
+        where = run_dir if leads_nodes(cfg) else str(node_dir(run_dir))
         nodes = int(cfg.dist.nnodes)
         os.makedirs(where, exist_ok=True)
         record = LaunchRecord(where, argv=[sys.executable, "-m", "disteval", *sys.argv[1:]], cwd=os.getcwd(),

@@ -77,7 +77,8 @@ def finished(run_dir: str, code: int) -> None:
     ``timings.evaluation_s``), and where the results and the driver's log are."""
     took = startup.seconds_since_start()
     took_text = "" if took is None else f" in {took:.1f} s"
-    driver_log = Path(run_dir) / "disteval.log"
+    driver_log = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
+                      Path(run_dir) / "disteval.log")  # a node that does not lead: RUN_DIR/nodes/<host>/
     if code == 0:
         evaluation = _timings(run_dir).get("evaluation_s")
         ev_text = "" if evaluation is None else f" (evaluation {evaluation:.2f} s)"

@@ -249,7 +249,8 @@ class RunDirGuard(Callback):
                 _check_shared(run_dir, overwrite)
                 return
             if not leads_nodes(config):  # another node's driver claims it (a shared folder) or its own ranks'
-                return                   # records go to this node's disk only
+                follow_leader(config)    # records go to this node's disk only
+                return
             names = RECORDS if external_rank() is None else SHARED_RECORDS
             for note in claim_run_dir(run_dir, overwrite, names):
                 print(f"disteval: warning: {note}", file=sys.stderr)
@@ -282,6 +283,30 @@ class RunDirGuard(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         release_run_dir(str(config.hydra.sweep.dir))
+
+
+def node_dir(run_dir: str | os.PathLike) -> Path:
+    """RUN_DIR/nodes/<hostname>: where a node that does not lead a multi-node launch keeps its driver's records
+    (launch.json, .hydra/, disteval.log), so that nodes sharing a filesystem never write the same file."""
+    return Path(run_dir) / "nodes" / socket.gethostname()
+
+
+def follow_leader(config: DictConfig) -> None:
+    """On a node that does not lead a multi-node launch: send this node's Hydra records (.hydra/ and the job
+    log, disteval.log) to ``node_dir(hydra.run.dir)`` instead of the run directory itself. The leading node
+    claims the run directory and moves an earlier run's records aside; written there, this node's fresh
+    .hydra/ could be moved while Hydra writes it (a failed start, seen in a 4-node lab run), and its log would
+    be the same file as the leader's."""
+    from omegaconf import open_dict, read_write
+
+    where = node_dir(str(config.hydra.run.dir))
+    where.mkdir(parents=True, exist_ok=True)
+    rel = where.relative_to(Path(str(config.hydra.run.dir)))
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = str(rel / ".hydra")
+        handlers = config.hydra.job_logging.get("handlers") or {}
+        if "file" in handlers and "filename" in handlers.file:
+            handlers.file.filename = str(where / "${hydra.job.name}.log")
 
 
 def _check_shared(run_dir: str, overwrite: bool) -> None:

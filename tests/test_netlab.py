@@ -80,9 +80,16 @@ def multi_node(lab: NetLab, nodes: list[str], run_dir: Path | str, *overrides: s
         else:
             commands[n] = _disteval("dist.world_size=4", f"dist.nnodes={len(nodes)}", f"dist.rdzv_endpoint={endpoint}",
                                     *([f"dist.node_rank={k}"] if static else []), *common, *(extra or {}).get(n, []))
+    shared = Path(run_dir).is_relative_to(lab.shared)  # else each node's own disk (its private /tmp)
+    fresh = shared and not Path(run_dir).exists()
     procs = on_nodes(lab, commands)
-    for n, p in procs.items():
-        assert p.returncode == 0, f"{n}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    failed = [f"{n}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}" for n, p in procs.items() if p.returncode]
+    assert not failed, "\n".join(failed)
+    if shared and not torchrun:  # each node's driver keeps its own Hydra records; the leader moved nothing of theirs aside
+        for n in nodes[1:]:
+            assert (Path(run_dir) / "nodes" / n / ".hydra" / "config.yaml").is_file(), n
+            assert (Path(run_dir) / "nodes" / n / "disteval.log").stat().st_size > 0, n
+        assert not fresh or not (Path(run_dir) / "previous").exists(), sorted((Path(run_dir) / "previous").rglob("*"))
     return procs
 
 
