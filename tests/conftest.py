@@ -149,9 +149,9 @@ def pytest_collection_modifyitems(config, items):
 
 # Under pytest-xdist (``-n 4 --dist loadgroup --no-loadscope-reorder``, pyproject's addopts) a test file is one unit
 # of work, so a module's ranks started once by its fixture serve all of its cases on one worker. The tests of the
-# SLURM clusters and of the network lab are three units, one after another inside each: "slurm" (the machine's
-# cluster: one job's CPUs at a time), "netlab" (labs of the lab tests, the network chaos and the links benchmark)
-# and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their namespaces,
+# SLURM clusters and of the network lab are four units, one after another inside each: "slurm" (the machine's
+# cluster: one job's CPUs at a time), "netlab" (tests/test_netlab.py's lab), "netlab-side" (the network chaos and
+# the links benchmark, each with a lab of its own name) and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their namespaces,
 # bridges and folders are their own; ``NetLab.start`` builds one at a time). The benchmark smokes are a unit each
 # (separate processes, no shared fixture). Units start longest first (``UNIT_SECONDS``): a long unit started last
 # would end alone.
@@ -161,7 +161,7 @@ EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after anoth
 SPLIT = ("test_benchmarks.py",)  # files whose tests are a unit each
 # wall seconds of the longest units (measured 2026-12-04: four workers on the 2-core machine, tests/conftest.py's
 # order of that day); the scheduling order only, longest first. Units not named here go after them.
-UNIT_SECONDS = {"netlab": 1090, "slurm-lab": 434, "test_doctor.py": 412, "slurm": 308, "test_doctor_evidence.py": 280,
+UNIT_SECONDS = {"netlab": 1200, "slurm-lab": 434, "netlab-side": 300, "test_doctor.py": 412, "slurm": 308, "test_doctor_evidence.py": 280,
                 "test_prediction_store.py": 261, "test_cli.py": 237, "test_hardening.py": 215,
                 "test_heterogeneous.py": 181, "test_html_report.py": 176, "test_benchmark_smoke[heterogeneous.py]": 128,
                 "test_bitwise_dist.py": 124, "test_segmentation.py": 123, "test_coco.py": 118,
@@ -182,9 +182,12 @@ def check_groups_reached_xdist(config, items) -> None:
 
 
 def _unit(item) -> str:
-    """The xdist group of a test: "slurm", "netlab" or "slurm-lab" (its EXCLUSIVE markers), else its name in a
-    SPLIT file, else its file."""
+    """The xdist group of a test: "slurm", "netlab" (tests/test_netlab.py's lab), "netlab-side" (the labs of
+    the network chaos and the links benchmark, named "chaos" and "blinks") or "slurm-lab" (its EXCLUSIVE
+    markers), else its name in a SPLIT file, else its file."""
     marks = [m for m in EXCLUSIVE if item.get_closest_marker(m) is not None]
+    if marks == ["netlab"] and item.path.name != "test_netlab.py":
+        return "netlab-side"
     if marks:
         return "-".join(marks).replace("slurm-netlab", "slurm-lab")
     return item.name if item.path.name in SPLIT else item.path.name
@@ -201,6 +204,25 @@ def _group_for_workers(items) -> None:
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's worker hook, which appends "@group" to each test's id
 def pytest_collection_finish(session):
     check_groups_reached_xdist(session.config, session.items)
+
+
+_unit_seconds: dict[str, float] = {}  # unit -> seconds of its tests' setup, call and teardown (this process's view)
+
+
+def pytest_runtest_logreport(report):
+    """Sum each unit's test seconds (on the controller under xdist, which sees every worker's reports)."""
+    unit = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else report.nodeid.split("::")[0].rpartition("/")[2]
+    _unit_seconds[unit] = _unit_seconds.get(unit, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The slowest units of work (a unit runs on one worker, so the longest bounds the suite's wall time); their
+    seconds are what ``UNIT_SECONDS`` orders by."""
+    if hasattr(config, "workerinput") or not _unit_seconds:
+        return
+    terminalreporter.write_sep("=", "slowest 12 units (seconds of their tests, one worker each)")
+    for unit, seconds in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {unit}")
 
 
 def pytest_sessionfinish(session, exitstatus):
