@@ -32,7 +32,7 @@ from diagnostics.findings import status_ev as _status_ev, what_was_found
 from diagnostics.init_checks import (STALL as _STALL, drill_remedy, driver_view, init_config_agree, init_joined, init_launch,
                                      init_ranks_ran, init_scheduler, init_started)
 from diagnostics.hardware import convergence_hardware
-from diagnostics.links import comm_links, peer_gone, slow_link
+from diagnostics.links import comm_links, peer_gone, slow_link, sync_timeout
 from diagnostics.liveness import examine
 from diagnostics.mesh_checks import comm_mesh_hang, comm_tp_peers, mesh_of, shards_mesh
 from diagnostics.phases import rank_phase
@@ -343,18 +343,32 @@ def _stall_kind(run: Run, r: int, timed: dict[int, dict]) -> tuple[str | None, l
     return ("stopped" if gap > limit else "alive"), ev, gap
 
 
+def fired_timeout(run: Run, phase: str | None, record: dict) -> tuple[float, str]:
+    """(seconds, config key) of the timeout its peers ran out of waiting for a rank: what a peer's
+    CollectiveTimeout recorded (``timeout_s``, ``timeout_key``), else the key in force in ``phase``
+    (``diagnostics.links.sync_timeout``: communication.sync_timeout_s in the final synchronisation when set)."""
+    for _, s in sorted(run.statuses.items()):
+        err = (s or {}).get("error") or {}
+        if err.get("timeout_key") and isinstance(err.get("timeout_s"), (int, float)):
+            return float(err["timeout_s"]), str(err["timeout_key"])
+    if phase is None and record.get("rendezvous"):
+        return float(run.cfg("communication.timeout_s", record["rendezvous"].get("timeout_s", 300.0)) or 300.0), \
+            "communication.timeout_s"
+    return sync_timeout(run, phase)
+
+
 def _slow_rank(run: Run, r: int, ev: list[Evidence], probes: dict | None, beating: bool, phase: str | None) -> Finding:
     """Rank ``r`` made no progress while its heartbeat kept beating (or the records predate heartbeats): slow,
     so a timeout that fits is the remedy."""
     s = run.statuses.get(r) or {}
-    timeout = float(run.cfg("communication.timeout_s", (s.get("rendezvous") or {}).get("timeout_s", 300.0)) or 300.0)
+    timeout, key = fired_timeout(run, phase, s)
     suggested = max(4 * timeout, 60.0)
     alive = "was alive (its heartbeat kept beating)" if beating else "was presumably alive (its records predate heartbeats)"
-    why = f"rank {r} {alive} but slower than the {timeout:g} s timeout; allow {suggested:g} s"
+    why = f"rank {r} {alive} but slower than the {timeout:g} s timeout ({key}); allow {suggested:g} s"
     if probes and probes.get("latency", {}).get("suggested_timeout_s"):
         suggested = max(suggested, float(probes["latency"]["suggested_timeout_s"]))
         why += f" (the latency probe suggests at least {probes['latency']['suggested_timeout_s']:g} s)"
-    overrides = [f"communication.timeout_s={suggested:g}"]
+    overrides = [f"{key}={suggested:g}"]
     last = s.get("last_collective") or {}
     compressible = "ranking" in (run.cfg("eval.metrics", []) or [])
     if s.get("phase") == "sync" and int(last.get("bytes") or 0) > 64 * 1024 * 1024 and compressible \
@@ -362,8 +376,10 @@ def _slow_rank(run: Run, r: int, ev: list[Evidence], probes: dict | None, beatin
         overrides.append("communication.compression=fp16")
         why += "; fp16 halves the gathered scores"
     # a stalled loader drill sleeps an hour: no timeout that fits; a delay drill's finite sleep does fit one
-    return Finding("COMM", "timeout", "fail", f"rank {r} stopped making progress ({recorded_progress(s)}) and its "
-                   f"peers timed out after {timeout:g} s (communication.timeout_s); it {alive}", ev,
+    what = (f"rank {r} was late to the final synchronisation ({recorded_progress(s)}): its peers timed out after "
+            f"{timeout:g} s ({key}) waiting for it" if s.get("phase") == "sync" else
+            f"rank {r} stopped making progress ({recorded_progress(s)}) and its peers timed out after {timeout:g} s ({key})")
+    return Finding("COMM", "timeout", "fail", f"{what}; it {alive}", ev,
                    drill_remedy(run, r, ("stall",)) or Remedy(overrides, why), culprit=r, phase=phase)
 
 
@@ -588,9 +604,12 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
             problems.append(f"{k}={v} is not in [0, 1]")
     n = res.get("dataset", {}).get("num_samples")
     left_out = int((res.get("exclusion") or {}).get("samples_left_out") or 0)
-    if n is not None and m.get("num_samples") not in (None, n - left_out):
+    # data.on_decode_error=skip: the samples that did not decode are left out, listed in results.json decode_errors
+    skipped = int((res.get("decode_errors") or {}).get("skipped") or 0)
+    if n is not None and m.get("num_samples") not in (None, n - left_out - skipped):
         problems.append(f"metrics.num_samples={m.get('num_samples')} but the dataset has {n}"
-                        + (f" and {left_out} were excluded" if left_out else ""))
+                        + (f" and {left_out} were excluded" if left_out else "")
+                        + (f" and {skipped} did not decode (data.on_decode_error=skip)" if skipped else ""))
     if not res.get("exact", True):
         problems.append(f"the run is marked inexact (data.sampler={res.get('sampler')})")
     task = res.get("task") or {}
@@ -602,7 +621,7 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
     elif not any(k in m for k in ("top1", "AP", "auroc_macro", "accuracy")):  # records written before it was named
         problems.append("metrics holds no main metric (top1, AP or auroc_macro)")
     counted = sum(int(p.get("samples") or 0) for p in res.get("per_rank") or [])
-    if res.get("exact", True) and (res.get("sampler") or "exact") == "exact" and n is not None and counted != n:
+    if res.get("exact", True) and (res.get("sampler") or "exact") == "exact" and n is not None and counted not in (n, n - skipped):
         problems.append(f"the ranks counted {counted} samples (per_rank[].samples) but the dataset has {n}")
     ev = [Evidence("results.json", str(m.get(k)), field=f"metrics.{k}") for k in ("top1", "AP", "auroc_macro") if k in m]
     if problems:
@@ -613,7 +632,8 @@ def result_sanity(run: Run, probes: dict | None) -> Finding:
         return Finding("RESULT", "sanity", "warn", f"top-1 {m['top1']:.4f} is at chance level for {c} classes: wrong "
                        "weights, a label mapping that does not match the model, or the wrong transform", ev)
     return Finding("RESULT", "sanity", "pass", "metric values are finite and in range, and count every sample"
-                   + (f" but the {left_out} excluded with the outlier ranks" if left_out else ""), ev)
+                   + (f" but the {left_out} excluded with the outlier ranks" if left_out else "")
+                   + (f" but the {skipped} that did not decode (data.on_decode_error=skip)" if skipped else ""), ev)
 
 
 CHECKS: dict[str, list[Callable[[Run, dict | None], Finding]]] = {

@@ -173,6 +173,7 @@ def connect(ctx: RankContext, agree_run_dir: bool = False) -> None:
                             async_threshold_bytes=cc.async_threshold_bytes, chunk_bytes=cc.chunk_bytes,
                             max_in_flight=cc.max_in_flight)
     ctx.comm.timeout_s, ctx.comm.progress_bytes = float(cc.timeout_s), cc.progress_bytes
+    ctx.comm.timeout_key = "communication.timeout_s"
     ctx.comm.on_complete = lambda record: _collective_finished(ctx, record)
     ctx.comm.on_progress = lambda op, done, total: _collective_progress(ctx, done)
     if agree_run_dir and env is not None:

@@ -331,7 +331,7 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         comm = self.mesh.dp_comm if self.mesh else ctx.comm  # under a mesh: the data-parallel group only
         if cfg.communication.sync_timeout_s is not None:  # a slow but alive peer must not fail the run
-            comm.set_timeout(float(cfg.communication.sync_timeout_s))
+            comm.set_timeout(float(cfg.communication.sync_timeout_s), "communication.sync_timeout_s")
         t_sync = time.perf_counter()
         row = self._row(ev, progress)
         if cfg.eval.save_predictions and hasattr(ev.metric, "predictions"):
@@ -590,9 +590,15 @@ def run_rank(cfg: JobConfig, run_dir: str, env: RankEnv | None, agree_run_dir: b
         return results
     except BaseException as exc:
         watchdog.stop()
+        timed_out = ctx.comm.timeout_error(exc) if ctx.comm is not None else None
+        if timed_out is not None:  # the backend's raw words for a collective that ran out of time, named
+            exc = timed_out.with_traceback(exc.__traceback__)
+            exc.__cause__ = exc.__context__ = None
         ctx.status.fail(exc)
-        log.exception("rank %d failed", ctx.rank)
+        log.exception("rank %d failed", ctx.rank, exc_info=exc)
         ctx.share_failure()
+        if timed_out is not None:
+            raise timed_out from None
         raise
     finally:
         watchdog.stop()

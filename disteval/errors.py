@@ -95,16 +95,25 @@ class RendezvousError(DistevalError):
 
 
 class CollectiveTimeout(DistevalError, TimeoutError):
-    """A collective sent in pieces (``disteval.comm.collectives``) was still moving when its timeout ran out: the
-    timeout bounds the whole collective, not each piece. ``op``, ``nbytes`` (this rank's payload), ``done`` (bytes
-    of it moved), ``seconds`` (elapsed), ``timeout_s``. The message says the measured rate and the time the
-    whole payload would have needed."""
+    """A collective did not complete within its timeout. ``op``, ``nbytes`` (this rank's payload), ``done``
+    (bytes of it moved; None for a collective issued as one call, which moves all or nothing), ``seconds``
+    (elapsed), ``timeout_s`` and ``key`` (the config key that set it: ``communication.timeout_s``, or
+    ``communication.sync_timeout_s`` in the final synchronisation). A collective sent in pieces
+    (``disteval.comm.collectives``) is bounded as a whole; its message says the measured rate and the time the
+    whole payload would have needed. One issued as one call (``disteval.comm.collectives.Communicator.timeout_error``
+    translates the backend's "Timed out waiting Nms for recv") says that a peer did not take part in time."""
 
-    def __init__(self, op: str, nbytes: int, done: int, seconds: float, timeout_s: float):
-        self.op, self.nbytes, self.done, self.seconds, self.timeout_s = op, int(nbytes), int(done), seconds, timeout_s
+    def __init__(self, op: str, nbytes: int, done: int | None, seconds: float, timeout_s: float, key: str | None = None):
+        self.op, self.nbytes, self.seconds, self.timeout_s, self.key = op, int(nbytes), seconds, timeout_s, key
+        self.done = None if done is None else int(done)
+        limit = f"{key} = {timeout_s:g} s" if key else f"timeout {timeout_s:g} s"
+        if done is None:
+            super().__init__(f"{op} of {nbytes:,} bytes timed out after {seconds:.1f} s ({limit}): a peer did not "
+                             "take part in time (late, stopped or gone)")
+            return
         rate = done / seconds if seconds > 0 else 0.0
         need = f"; at that rate all of it needs {nbytes / rate:.1f} s" if rate > 0 else ""
-        super().__init__(f"{op} timed out after {seconds:.1f} s (timeout {timeout_s:g} s) with {done:,} of "
+        super().__init__(f"{op} timed out after {seconds:.1f} s ({limit}) with {done:,} of "
                          f"{nbytes:,} bytes moved ({rate / 1e6:.3f} MB/s){need}")
 
 

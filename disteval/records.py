@@ -57,7 +57,7 @@ from disteval.common.netif import node_id
 from disteval.common import pipeline
 from disteval.common.plain import plain
 from disteval.common.drills import disk_simulated_full, free_simulated_disk
-from disteval.errors import DiskFullError
+from disteval.errors import CollectiveTimeout, DiskFullError
 
 SCHEMA_VERSION = 2
 PHASES = ("init", "data", "forward", "sync", "done", "failed")
@@ -276,7 +276,8 @@ def write_record_or_reserve(path: Path, obj: Any, run_dir: str | os.PathLike) ->
 
 def error_record(exc: BaseException) -> dict:
     """{type, message, traceback, time} of an exception, plus ``blames`` (a victim naming the culprit),
-    ``evidence`` and the details of a DiskFullError (errno, path, bytes_needed, free_bytes)."""
+    ``evidence``, the details of a DiskFullError (errno, path, bytes_needed, free_bytes) and of a
+    CollectiveTimeout (op, timeout_s, timeout_key)."""
     err = {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(traceback.format_exception(exc)),
            "time": time.time()}
     if getattr(exc, "blames", None) is not None:
@@ -285,6 +286,8 @@ def error_record(exc: BaseException) -> dict:
         err["evidence"] = exc.evidence
     if isinstance(exc, DiskFullError):
         err.update(exc.details())
+    if isinstance(exc, CollectiveTimeout):  # which timeout fired (the doctor's remedy changes that key)
+        err.update(op=exc.op, timeout_s=exc.timeout_s, timeout_key=exc.key)
     return err
 
 

@@ -8,9 +8,10 @@ in a blocking collective (``in_collective``) while its heartbeat stayed fresh (a
 stalled); else the rank whose heartbeat stopped first, clearly before every other rank's last sign of life
 (stopped, frozen or dead); else, when every error is a ``DriverDiedError``, no rank (the driver died); else a
 rank that died (killed by a signal, non-zero exit) without recording any error, the one whose heartbeat
-stopped first; else a rank that stopped in init/data/forward without recording an error while its peers
-failed (died silently or hung), the one whose progress stopped first, never one waiting in a collective
-with a fresh heartbeat; else a rank that never started; else, when every rank recorded a consequence, the
+stopped first; else a rank that stopped in init/data/forward/sync without recording an error while its peers
+failed, the one whose progress stopped first, never one waiting in a collective with a fresh heartbeat:
+late (its heartbeat was fresh when the first peer timed out; the message names the timeout that fired) or
+died silently or hung; else a rank that never started; else, when every rank recorded a consequence, the
 rank that had not finished its shard while others had (the slow one they waited for); else the earliest
 network error. A rank that recorded an interrupt (SIGINT/SIGTERM) while its peers did not is the culprit after
 the blamed rank (a signal sent to it alone). Records without heartbeat fields (older runs) skip the heartbeat parts of the rule.
@@ -81,14 +82,17 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
         return Culprit(never[0], f"rank {never[0]} never started (no status record)")
     latest = max((_last_sign(s) for s in records.values() if s), default=0.0)
     stalled = sorted((r for r, s in records.items() if s and not s.get("error")
-                      and s.get("phase") in ("init", "data", "forward") and not waiting_in_collective(s, latest)),
+                      and s.get("phase") in STALL_PHASES and not waiting_in_collective(s, latest)),
                      key=lambda r: (float(records[r].get("t_progress") or records[r].get("t_update") or 0.0), r))
     if errors and stalled:
         r = stalled[0]
         s = records[r]
+        first = sorted(errors)[0][2]["error"]
+        if late_not_stalled(s, first):
+            return Culprit(r, late_message(r, s, sorted(errors)[0][1], first))
         return Culprit(r, f"rank {r} stopped making progress without recording an error ({recorded_progress(s)}): "
                           f"it died or hung, and its peers failed waiting for it "
-                          f"({sorted(errors)[0][2]['error']['message'][:200]})")
+                          f"({first['message'][:200]})")
     # every rank recorded a consequence: the one that had not finished its shard while others had (they waited
     # for it in the synchronisation and timed out) is the slow one
     lag = sorted((float(s.get("samples_done") or 0) / max(1, int(s.get("samples_planned") or 1)), r)
@@ -105,6 +109,26 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
         return Culprit(r, f"rank {r} failed: {err['type']}: {err['message']}", err.get("traceback", ""))
     return Culprit(None, "the run failed but no rank recorded an error: " + "; ".join(
         f"rank {r} {how}" for r, how in sorted(deaths.items())) if deaths else "the run failed")
+
+
+STALL_PHASES = ("init", "data", "forward", "sync")  # where a rank without an error can keep its peers waiting
+
+
+def late_not_stalled(record: dict, peer_error: dict) -> bool:
+    """The rank (no error of its own) was alive when its peer's timeout fired: its heartbeat was fresh at the
+    peer's error (``peer_error['time']``). A late rank, not a stopped one."""
+    beat, when = record.get("t_heartbeat"), peer_error.get("time")
+    return isinstance(beat, (int, float)) and isinstance(when, (int, float)) and float(beat) >= float(when) - _beat_gap(record)
+
+
+def late_message(rank: int, record: dict, victim: int, peer_error: dict) -> str:
+    """Why a live rank is the culprit of its peers' timeout: it had not reached the collective they waited in,
+    and which timeout (config key and seconds) ran out."""
+    limit = (f"{peer_error['timeout_key']} = {peer_error['timeout_s']:g} s" if peer_error.get("timeout_key")
+             else "the collective timeout")
+    op = peer_error.get("op") or "a collective"
+    return (f"rank {rank} was late: alive (its heartbeat was fresh) but still in {recorded_progress(record)} when rank {victim} gave up waiting for it in {op} after {limit}; "
+            f"rank {victim}'s error: {peer_error['type']}: {str(peer_error['message'])[:200]}")
 
 
 def _blamed(records: dict[int, dict | None], errors: list[tuple]) -> tuple[int, dict] | None:

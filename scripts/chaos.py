@@ -21,12 +21,14 @@ ranks' status records and /proc, the bytes on disk, a clean reference run, the d
 - ``outcome``: the run ended as the fault implies (exit 0, 1, 2 or killed).
 
 Kinds (rows of the table): kill, stop (SIGSTOP after a batch or at the synchronisation), delay_past (a rank
-sleeps past the timeout), delay_within (it sleeps less: the run succeeds), error (RuntimeError), diskfull
+sleeps past the timeout), delay_within (it sleeps less: the run succeeds), late_sync (a rank, alive, reaches the
+final synchronisation after its peers' ``communication.sync_timeout_s`` ran out: the doctor must name it, not
+the peer that waited, and raise that key), error (RuntimeError), diskfull
 (ENOSPC on every record write), bad_record (a finished run's results.json or a rank's status.json truncated or
 overwritten with garbage: the doctor must say so), driver_kill (SIGKILL of ``python -m disteval`` while its ranks
 evaluate) and concurrent (a second run into the same run directory while the first runs: refused with exit 2
 naming the holder; the first finishes with its results intact). The rounds deal the kinds like cards: every
-block of 9 rounds holds each kind once, in a seeded random order. The in-rank kinds (kill, stop, delay_past, error,
+block of 10 rounds holds each kind once, in a seeded random order. The in-rank kinds (kill, stop, delay_past, error,
 diskfull) draw loader workers too (``data.num_workers`` 0 or 2): a rank's worker processes outlive it for a
 while and hold its pipes, which once hid a killed rank from the launcher. They, delay_within and bad_record
 also draw their data (from a
@@ -71,6 +73,7 @@ from disteval.data.coco_synthetic import make_synthetic_coco  # noqa: E402
 import chaos_net  # noqa: E402  (scripts/chaos_net.py: the network kinds)
 
 TIMEOUT_S = 5.0
+SYNC_TIMEOUT_S = 3.0  # late_sync's communication.sync_timeout_s: shorter than TIMEOUT_S, so only that key can fire
 QUICK = ("eval.progress=false", f"communication.timeout_s={TIMEOUT_S:g}")
 # data -> (samples, batch size, overrides; {inputs} is the folder of generated inputs)
 DATA = {"digits": (540, 16, ()),  # the default digits job: 540 held-out images
@@ -85,12 +88,12 @@ DRIVER_KILL_GONE_S = TIMEOUT_S + 5.0  # a killed driver -> its ranks have stoppe
 RECHECK_S = 11.0                      # the doctor's heartbeats are stale after 10 s
 RUN_LIMIT_S = 300.0                   # a run still going after this long hangs (generous: 2 shared cores)
 KINDS = ("kill", "stop", "delay_past", "delay_within", "error", "diskfull", "bad_record", "driver_kill",
-         "concurrent")
+         "concurrent", "late_sync")
 ALL_KINDS = KINDS + chaos_net.NET_KINDS  # the network kinds run only when --kinds names them (they need the lab)
 INVARIANTS = ("timeout", "no_results", "results_kept", "doctor_exit", "doctor_state", "doctor_culprit", "outcome")
 OUTCOMES = ("ok", "failed", "refused", "killed", "hung", "other")
 SIZES = {"kill": (1, 2, 3), "stop": (2, 3), "delay_past": (2, 3), "delay_within": (1, 2, 3), "error": (1, 2, 3),
-         "diskfull": (1, 2, 3), "bad_record": (1, 2, 3), "driver_kill": (1, 2, 3), "concurrent": (1, 2, 3)}
+         "diskfull": (1, 2, 3), "bad_record": (1, 2, 3), "driver_kill": (1, 2, 3), "concurrent": (1, 2, 3), "late_sync": (2, 3)}
 WORKER_KINDS = ("kill", "stop", "delay_past", "error", "diskfull")
 DATA_KINDS = (*WORKER_KINDS, "delay_within", "bad_record")  # the kinds that draw their data
 BAD_RECORDS = ("results:truncate", "results:garbage", "status:truncate", "status:garbage")
@@ -122,6 +125,8 @@ class Drill:
             return f"stop@{r}:sync=1" if self.variant == "sync" else f"stop@{r}:batch={k}"
         if kind in ("delay_past", "delay_within"):
             return f"delay@{r}:batch={k},seconds={s:g}"
+        if kind == "late_sync":  # alive, but late to the final synchronisation
+            return f"delay@{r}:sync=1,seconds={s:g}"
         if kind == "driver_kill":  # every rank sleeps: the driver is killed while they evaluate
             return f"delay@*:batch={k},seconds=60"
         if kind == "concurrent":  # short sleeps, each within the timeout: the run lasts long enough to be joined
@@ -139,7 +144,8 @@ class Drill:
         """The run's extra overrides: its data (``inputs``: the folder of generated inputs) and loader workers."""
         samples, batch, args = DATA[self.data]
         return (f"data.batch_size={batch}", *(a.format(inputs=inputs) for a in args),
-                *((f"data.num_workers={self.workers}",) if self.workers else ()))
+                *((f"data.num_workers={self.workers}",) if self.workers else ()),
+                *((f"communication.sync_timeout_s={SYNC_TIMEOUT_S:g}",) if self.kind == "late_sync" else ()))
 
 
 def rank_batches(world_size: int, rank: int, data: str = "digits") -> int:
@@ -168,6 +174,8 @@ def draw_drill(rng: random.Random, index: int, kind: str, data_rng: random.Rando
         drill.seconds = float(rng.choice((12, 15)))
     elif kind == "delay_within":
         drill.seconds = float(rng.choice((1, 2)))
+    elif kind == "late_sync":
+        drill.seconds, drill.batch = float(rng.choice((10, 12))), None
     elif kind == "concurrent":
         drill.seconds, drill.batch, drill.rank = 2.5, rng.randint(1, 2), None
     elif kind == "bad_record":  # rank: whose status.json is corrupted (None for results.json)
@@ -362,6 +370,8 @@ def expect(drill: Drill) -> dict:
         return {"outcome": "killed", "state": "INIT/launch", "culprit": 0, "finding": "SIGKILL"}
     if k == "stop":  # its peers time out waiting; its heartbeat stopped: no timeout would help
         return {"outcome": "failed", "state": "COMM/timeout", "culprit": r, "finding": "heartbeat stopped"}
+    if k == "late_sync":  # alive, late to the synchronisation: the late rank and the timeout that fired are named
+        return {"outcome": "failed", "state": "COMM/timeout", "culprit": r, "finding": "communication.sync_timeout_s"}
     if k == "delay_past":  # alive but slower than the timeout: a longer timeout is the remedy
         return {"outcome": "failed", "state": "COMM/timeout", "culprit": r, "finding": "heartbeat kept beating"}
     if k == "diskfull":  # the driver records the rank's DiskFullError: INIT/launch names file, bytes and rank

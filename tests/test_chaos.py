@@ -16,13 +16,23 @@ pytestmark = pytest.mark.slow
 def test_seeded_chaos_rounds_keep_every_invariant(tmp_path):
     summary = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--seed", "1", "--rounds", "3",
+                           "--kinds", "late_sync,stop,concurrent",
                            "--workdir", str(tmp_path / "work"), "--json", str(summary)],
                           capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads(summary.read_text())
-    # seed 1 deals a slow rank past the timeout, a stopped rank and a concurrent run into one run directory
+    # seed 1 deals rank 0 of 3 late to the synchronisation (alive, past communication.sync_timeout_s), a concurrent
+    # run into one run directory and a stopped rank
     kinds = [r["drill"]["kind"] for r in report["details"]]
-    assert kinds == ["delay_past", "stop", "concurrent"], kinds
+    assert kinds == ["late_sync", "concurrent", "stop"], kinds
+    late = report["details"][0]
+    assert late["drill"]["rank"] == 0 and late["doctor"]["culprit"] == 0
+    driver = (tmp_path / "work" / "round000-late_sync.0.log").read_text()
+    assert "run failed rank 0 was late" in driver and "communication.sync_timeout_s = 3 s" in driver, driver[-2000:]
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", late["facts"]["run_dir"], "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    remedy = json.loads(doctor.stdout)["runs"][0]["remedy"]  # the key that fired, raised: not communication.timeout_s
+    assert [o.split("=")[0] for o in remedy["overrides"]] == ["communication.sync_timeout_s"], remedy
     total = report["summary"]["total"]
     assert report["rounds"] == total["rounds"] == 3 and report["references_agree"]
     assert total["violations"] == {inv: 0 for inv in total["violations"]} and len(total["violations"]) == 7
@@ -30,7 +40,7 @@ def test_seeded_chaos_rounds_keep_every_invariant(tmp_path):
     assert sum(row["rounds"] for kind, row in report["summary"].items() if kind != "total") == 3
     for rnd in report["details"]:  # the doctor named the injected rank, and nothing outlived the run
         assert rnd["doctor"]["culprit"] == rnd["expected"]["culprit"] and rnd["facts"]["gone_s"] is not None
-    concurrent = report["details"][2]
+    concurrent = report["details"][1]
     assert concurrent["facts"]["second_exit"] == 2 and concurrent["facts"]["rerun_exit"] == 2
     # the printed table: one row per kind and a total row with 3 rounds, 0 violations, 2 failed and 1 ok
     total_row = next(line for line in proc.stdout.splitlines() if line.strip("│ ").startswith("total"))

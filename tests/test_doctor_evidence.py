@@ -481,3 +481,25 @@ def test_ranks_without_samples_get_a_world_size_that_gives_each_some(mode, batch
     finding = shards_plan(run, None)
     assert finding.status == "warn" and "hold no sample" in finding.finding, finding.finding
     assert finding.remedy.overrides == [f"dist.world_size={want}"], finding.remedy
+
+
+def test_a_live_rank_late_to_the_synchronisation_is_the_culprit_with_the_timeout_that_fired():
+    """Issue 48 item 11, on records: rank 0 (no error, phase sync, outside any collective, heartbeat fresh when
+    rank 1 gave up) is named as late, with the key and seconds of the CollectiveTimeout rank 1 recorded; with its
+    heartbeat stopped 10 s before, it is named as stopped instead (the end-to-end case: tests/test_chaos.py)."""
+    from launchers.culprit import culprit_from_records
+
+    def records(beat0: float) -> dict:
+        return {0: {"phase": "sync", "error": None, "t_heartbeat": beat0, "heartbeat_s": 1.0, "t_progress": 90.0,
+                    "samples_done": 10, "samples_planned": 10, "in_collective": None},
+                1: {"phase": "failed", "t_heartbeat": 100.2, "heartbeat_s": 1.0, "t_progress": 95.0,
+                    "samples_done": 12, "samples_planned": 12, "in_collective": {"op": "synchronise", "since": 95.0},
+                    "error": {"type": "CollectiveTimeout", "time": 100.2, "op": "all_reduce", "timeout_s": 5.0,
+                              "timeout_key": "communication.sync_timeout_s",
+                              "message": "all_reduce of 1,080 bytes timed out after 5.0 s"}}}
+
+    late = culprit_from_records(records(100.0))
+    assert late.rank == 0 and "rank 0 was late" in late.message, late.message
+    assert "communication.sync_timeout_s = 5 s" in late.message and "rank 1 gave up" in late.message
+    stopped = culprit_from_records(records(90.0))
+    assert stopped.rank == 0 and "heartbeat stopped first" in stopped.message, stopped.message

@@ -8,7 +8,10 @@ index first."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,12 @@ def test_corrupt_sample_skipped_and_listed(cli, shards, tmp_path):
                                     "samples": f"{LIMIT - 1} of {LIMIT} samples",
                                     "ids": [[f"{out}/fashion-mnist-test-000001.tar", "test-00000600"]]}
     assert res["exact"] is True and res["metrics"]["num_samples"] == LIMIT - 1
+    # the doctor calls this documented policy healthy (it once failed it: "num_samples=1199 but the dataset has 1200")
+    doctor = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(run_dir), "--json"], capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    sanity = next(c for c in json.loads(doctor.stdout)["runs"][0]["checks"] if c["check"] == "sanity")
+    assert doctor.returncode == 0 and sanity["status"] == "pass", sanity
+    assert "but the 1 that did not decode" in sanity["finding"], sanity
     proc, _ = cli(*_stream_args(out, None, "dist.world_size=2"), env={"DISTEVAL_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode != 0
     assert "key 'test-00000600': field 'png' does not decode" in proc.stderr + proc.stdout

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import time
 from collections import Counter, deque
@@ -49,6 +50,8 @@ from disteval.errors import CollectiveTimeout
 _DTYPES = [torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8, torch.bool,
            torch.float16, torch.bfloat16, torch.int8, torch.int16]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+# the backends' words for a collective that ran out of time (group 1: gloo's milliseconds)
+_BACKEND_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms|Watchdog caught collective operation timeout")
 PROGRESS_PIECES = 8
 _MAX_DIMS = 6
 _META = 3 + _MAX_DIMS + 5  # rows, dtype code, ndim, trailing dims, min, max, exact-f32, abs err, rel err
@@ -134,6 +137,7 @@ class Communicator:
         self.chunk_bytes, self.max_in_flight = int(chunk_bytes), int(max_in_flight)
         self.progress_bytes: int | None = None  # payloads above it (bytes) that are not chunked go in pieces
         self.timeout_s: float | None = None  # the process group's timeout, when known: bounds a collective's pieces
+        self.timeout_key: str | None = None  # the config key that set ``timeout_s`` (named by CollectiveTimeout)
         self.on_progress: Callable[[str, int, int], None] | None = None
         self.payload: dict | None = None  # what the collective under way carries: {name, dtype, compressible}
         self.collectives = 0
@@ -234,7 +238,7 @@ class Communicator:
                 self.on_progress(op, done, nbytes)
             elapsed = time.perf_counter() - t0
             if self.timeout_s is not None and done < nbytes and elapsed > self.timeout_s:
-                raise CollectiveTimeout(op, nbytes, done, elapsed, self.timeout_s)
+                raise CollectiveTimeout(op, nbytes, done, elapsed, self.timeout_s, self.timeout_key)
 
         for lo in range(0, numel, step):
             hi = min(numel, lo + step)
@@ -497,11 +501,28 @@ class Communicator:
         gallery positions)."""
         return _topk.sharded_topk(self, gallery_rows, query_rows, num_queries, spec)
 
-    def set_timeout(self, seconds: float) -> None:
+    def set_timeout(self, seconds: float, key: str | None = None) -> None:
         """Change the default process group's timeout for every later collective (``dist.set_timeout``),
-        e.g. a larger one for the final synchronisation so that a slow but alive rank does not fail the run."""
+        e.g. a larger one for the final synchronisation so that a slow but alive rank does not fail the run;
+        ``key``: the config key it comes from (named when it fires)."""
         dist.set_timeout(timedelta(seconds=float(seconds)), group=self.group)
-        self.timeout_s = float(seconds)
+        self.timeout_s, self.timeout_key = float(seconds), key
+
+    def timeout_error(self, exc: BaseException) -> CollectiveTimeout | None:
+        """The CollectiveTimeout that ``exc`` stands for, or None: the backend's own timeout of a collective this
+        communicator issued and that has not finished (gloo: "Timed out waiting 5000ms for recv operation to
+        complete"; NCCL's watchdog: "Watchdog caught collective operation timeout"), named by op, payload,
+        elapsed seconds and the timeout with its config key. A peer's death (connection closed) is not a timeout."""
+        if not self._open or isinstance(exc, CollectiveTimeout) or not isinstance(exc, RuntimeError):
+            return None
+        found = _BACKEND_TIMEOUT.search(str(exc)[:2000])
+        if found is None:
+            return None
+        op, _, t0 = self._open[0]
+        nbytes = sum(n for o, n, _ in self._open if o == op)
+        timeout = float(found.group(1)) / 1000 if found.group(1) else self.timeout_s
+        return CollectiveTimeout(op, nbytes, None, time.perf_counter() - t0,
+                                 timeout if timeout is not None else float("nan"), self.timeout_key)
 
     def broadcast_json(self, obj: dict | None, src: int = 0) -> dict:
         """Broadcast a JSON-serialisable dict from ``src`` (run metadata: run id, output dir, seed, start
