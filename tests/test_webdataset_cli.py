@@ -91,3 +91,14 @@ def test_corrupt_sample_skipped_and_listed(cli, shards, tmp_path):
     proc, _ = cli(*_stream_args(out, None, "dist.world_size=2"), env={"DISTEVAL_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode != 0
     assert "key 'test-00000600': field 'png' does not decode" in proc.stderr + proc.stdout
+
+
+def test_rgb_images_for_a_one_channel_model_name_data_image_mode(cli, shards):
+    """data.image_mode=rgb8 for the one-channel Fashion-MNIST CNN: refused before any rank starts (exit 2), the
+    error naming data.image_mode and the channels each side has (it once named data.crop_size)."""
+    proc, run_dir = cli(*_stream_args(shards, f"{shards}/index.json", "data.image_mode=rgb8"))
+    text = " ".join((proc.stderr + proc.stdout).split())
+    assert proc.returncode == 2, text[-2000:]
+    assert "data.image_mode" in text and "takes 1-channel inputs but the data gives 3 channels" in text, text[-2000:]
+    assert "data.crop_size" not in text
+    assert json.loads((run_dir / "launch.json").read_text())["error"]["key"] == "data.image_mode"

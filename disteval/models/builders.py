@@ -10,6 +10,7 @@ detection ops pull in torch._dynamo), which every rank would pay for a shipped C
 from __future__ import annotations
 
 import importlib.resources
+import re
 from typing import Any
 
 import torch
@@ -100,12 +101,27 @@ def resolve_num_classes(model: Any, dataset_classes: int | None) -> int:
     return dataset_classes
 
 
-def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
+def shape_error(name: str, input_shape: tuple[int, ...], exc: BaseException, channel_key: str | None) -> ConfigError:
+    """The ConfigError for a model that cannot take the data's inputs: a channel count the first layer does not
+    take (torch's "expected input[...] to have 1 channels, but got 3 channels") names ``channel_key`` (the data's
+    setting that decides the channels, e.g. ``data.image_mode``), any other shape error ``data.crop_size``."""
+    found = re.search(r"to have (\d+) channels, but got (\d+) channels", str(exc))
+    if found and channel_key:
+        return ConfigError(channel_key, f"{name} takes {found.group(1)}-channel inputs but the data gives "
+                                        f"{found.group(2)} channels (inputs of shape {list(input_shape)}); set "
+                                        f"{channel_key} to match the model (l8: 1 channel, rgb8: 3)")
+    return ConfigError("data.crop_size", f"{name} cannot take the data's inputs of shape {list(input_shape)} "
+                                         f"({type(exc).__name__}: {exc}); check data.crop_size and model.kwargs")
+
+
+def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] | None = None,
+                    channel_key: str | None = None) -> None:
     """Driver-side checks before any rank starts: the architecture builds and, given the data's
     ``input_shape`` (C, H, W), runs a forward pass to logits [B, num_classes], both on the meta device (no
     memory, no compute), or on CPU for a model of at most ``CPU_CHECK_MAX_PARAMS`` parameters; a checkpoint
     loads with weights_only=True and fits it; torchvision weights are in torch.hub's cache (downloaded here,
-    once, when missing). Raises ConfigError or CheckpointError."""
+    once, when missing). ``channel_key``: the config key that sets the inputs' channels (named when the model's
+    first layer takes another number, ``shape_error``). Raises ConfigError or CheckpointError."""
     plan, source = weights_plan(model)
     device = torch.device("meta")
     try:
@@ -124,9 +140,7 @@ def preflight_model(model: Any, num_classes: int, input_shape: tuple[int, ...] |
             try:
                 out = net(torch.zeros((2, *input_shape)))
             except Exception as exc:  # noqa: BLE001 - any shape error of the architecture
-                raise ConfigError("data.crop_size", f"{model.name} cannot take the data's inputs of shape "
-                                  f"{list(input_shape)} ({type(exc).__name__}: {exc}); check data.crop_size "
-                                  "and model.kwargs") from exc
+                raise shape_error(model.name, input_shape, exc, channel_key) from exc
             if tuple(out.shape) != (2, num_classes):
                 raise ConfigError("model.num_classes", f"{model.name} returns outputs of shape {list(out.shape[1:])} "
                                   f"per sample, expected [{num_classes}] logits")

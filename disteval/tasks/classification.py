@@ -80,7 +80,8 @@ class ClassificationTask(Task):
         if too_big:
             raise ConfigError("eval.classification.topk", f"k={too_big} exceed the {self.num_classes} classes; e.g. "
                               "eval.classification.topk=[1]")
-        preflight_model(cfg.model, self.num_classes, input_shape(cfg.data))
+        preflight_model(cfg.model, self.num_classes, input_shape(cfg.data),
+                        "data.image_mode" if cfg.data.name == "webdataset" else None)
 
     def dataset(self):
         dataset, data_classes = build_dataset(self.cfg.data)
