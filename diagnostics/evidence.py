@@ -120,7 +120,8 @@ def _read_json(path: Path, run: Run, required: dict[str, type] | None = None) ->
 
 
 def is_run_dir(path: Path) -> bool:
-    return any((path / p).exists() for p in (".hydra", "launch.json", "results.json", "ranks", "job.json"))
+    return any((path / p).exists() for p in (".hydra", "launch.json", "results.json", "ranks", "job.json")) \
+        or any((path / "nodes").glob("*/launch.json"))
 
 
 def load_run(path: str | Path) -> Run:
@@ -151,6 +152,10 @@ def load_run(path: str | Path) -> Run:
         except Exception as exc:  # noqa: BLE001
             run.problems.append(f".hydra/overrides.yaml is unreadable: {exc}")
     run.launch = _read_json(path / "launch.json", run, {"outcome": str, "world_size?": int})
+    nodes = sorted((path / "nodes").glob("*/launch.json"))
+    if run.launch is None and not (path / "launch.json").exists() and len(nodes) == 1:
+        # one node's driver and no leader's record (e.g. a node of a multi-node launch on its own disk): its record
+        run.launch = _read_json(nodes[0], run, {"outcome": str, "world_size?": int})
     if run.launch and not run.overrides:
         run.overrides = list(run.launch.get("overrides") or [])
     run.job = _read_json(path / "job.json", run, {"world_size?": int})

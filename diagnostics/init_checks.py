@@ -240,8 +240,9 @@ def _config_error(run: Run, launch: dict, ev: list[Evidence]) -> Finding:
                               "address (single-node runs)"), phase="preflight")
     if str(key or "").startswith("model.") and fetch_failure(err):
         return fetch_finding(run, err, "python -m disteval", "preflight", ev)
+    said = message[len(f"{key}: "):] if key and message.startswith(f"{key}: ") else message  # the key once
     return Finding("INIT", "launch", "fail", f"configuration error before any rank started at {key or 'config'}: "
-                   f"{message[:200]}", ev, phase="preflight")
+                   f"{said[:200]}", ev, phase="preflight")
 
 
 def _driver_running(run: Run, ev: list[Evidence]) -> Finding:

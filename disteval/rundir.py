@@ -225,8 +225,8 @@ def leads_nodes(cfg: DictConfig) -> bool:
     rendezvous (``dist.node_rank`` 0, or the node owning ``dist.rdzv_endpoint``'s address): that node claims the
     run directory and writes launch.json; the others only start their ranks (which agree on rank 0's run
     directory), so that nodes sharing a filesystem do not refuse each other's claim."""
-    if cfg.dist.nnodes <= 1:
-        return True
+    if cfg.dist.nnodes <= 1 or not cfg.dist.rdzv_endpoint:  # without an endpoint the job stops at its config check,
+        return True                                             # recorded in the run directory's own launch.json
     if cfg.dist.node_rank is not None:
         return int(cfg.dist.node_rank) == 0
     host = str(cfg.dist.rdzv_endpoint).rpartition(":")[0]

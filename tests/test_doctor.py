@@ -369,3 +369,18 @@ def test_probes_and_sanity_on_every_task_family(tmp_path):
         else:
             assert probes["drift"]["max_abs_logit_diff"] == [0.0, 0.0], (name, probes["drift"])
             assert sum(probes["balance"]["samples"]) == load_results(run)["dataset"]["num_samples"], name
+
+
+def test_two_nodes_without_a_rendezvous_endpoint(tmp_path):
+    """dist.nnodes=2 without dist.rdzv_endpoint stops at the config check (exit 2); its record is the run
+    directory's own launch.json, and the doctor quotes it (it once found no run there, or said the error went
+    only to the console)."""
+    run = tmp_path / "noendpoint"
+    proc = run_disteval(*QUICK, "dist.nnodes=2", run_dir=run)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert json.loads((run / "launch.json").read_text())["error"]["key"] == "dist.rdzv_endpoint"
+    code, report = doctor(run)
+    state, culprit, overrides, _ = verdict(report)
+    assert (code, state, culprit) == (1, "INIT/launch", None)
+    finding = report["runs"][0]["verdict"]["finding"]
+    assert "at dist.rdzv_endpoint: dist.nnodes=2 needs the rendezvous" in finding, finding
