@@ -95,19 +95,38 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
     return current, attempts, stopped
 
 
+def timeout_that_fired(run) -> float | None:
+    """Seconds of the timeout that ended ``run`` (a ``Run``), or None when no rank recorded a timeout (a killed
+    rank, an error of its own): a CollectiveTimeout's recorded ``timeout_s``, else, for a backend's timeout
+    message, the timeout in force (``communication.sync_timeout_s`` or ``communication.timeout_s``)."""
+    errors = [s["error"] for s in run.statuses.values() if s and s.get("error")]
+    for err in errors:
+        if isinstance(err.get("timeout_s"), (int, float)):
+            return float(err["timeout_s"])
+    if any("timed out" in str(e.get("message", "")).lower() or "timeout" in str(e.get("type", "")).lower()
+           for e in errors):
+        value = run.cfg("communication.sync_timeout_s", None) or run.cfg("communication.timeout_s", None)
+        return None if value is None else float(value)
+    return None
+
+
 def measured_effect(before, after) -> dict:
     """What a rerun measured against the failed run (both ``Run``): the final synchronisation's seconds (the
     failed run's: the timeout that ended it, when its records say so), and per compressed payload the bytes
     before and after and the measured error. ``said``: one line for a person."""
     res = after.results or {}
     sync = (res.get("timings") or {}).get("sync")
-    failed_after = before.cfg("communication.sync_timeout_s", None) or before.cfg("communication.timeout_s", None)
+    failed_after = timeout_that_fired(before)
     out: dict = {"sync_s": sync, "failed_run_timeout_s": failed_after, "compression": {}}
     parts = []
     pinned = canary_effect(before, after)
+    launch = before.launch or {}
+    lasted = (float(launch["t_end"]) - float(launch["t_start"])
+              if isinstance(launch.get("t_end"), (int, float)) and isinstance(launch.get("t_start"), (int, float)) else None)
     if sync is not None and not pinned:
         parts.append(f"the final synchronisation took {sync:.2f} s" +
-                     (f" (the failed run gave up after {float(failed_after):g} s)" if failed_after else ""))
+                     (f" (the failed run gave up after {failed_after:g} s)" if failed_after is not None else
+                      f" (the failed run ended {lasted:.1f} s after its launch)" if lasted is not None else ""))
     for name, c in sorted(((res.get("comm") or {}).get("compression") or {}).items()):
         if c.get("bytes_after") is not None and c.get("bytes_before") and c["bytes_after"] < c["bytes_before"]:
             out["compression"][name] = {k: c.get(k) for k in ("mode", "bytes_before", "bytes_after", "max_abs_error")}

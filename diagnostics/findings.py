@@ -122,7 +122,8 @@ def what_was_found(run: Run, limit: int = 6) -> tuple[str, list[Evidence]]:
         parts.append(f"disteval.log: {len(lines)} line(s)")
         last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
         if last:
-            ev.append(Evidence("disteval.log", lines[last - 1][:200], line=last))
+            line = lines[last - 1]  # quoted whole (a long one marked where it is cut)
+            ev.append(Evidence("disteval.log", line if len(line) <= 600 else line[:600] + " [...]", line=last))
     else:
         parts.append("no disteval.log")
     return "; ".join(parts), ev

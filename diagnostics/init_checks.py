@@ -618,7 +618,7 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
         ev = [Evidence("launch.json", death, field=f"error.deaths.{r}"), status_ev(run, r, "phase"),
               status_ev(run, r, "samples_done")]
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} {death} without recording an error, in "
-                       f"{recorded_progress(s)}", ev, _death_remedy(run, death), culprit=r, phase=phase)
+                       f"{recorded_progress(s, True)}", ev, _death_remedy(run, death), culprit=r, phase=phase)
     if not err and s.get("phase") in ("init", "data", "forward"):
         first = sorted(errors(run))
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} stopped without recording an error in "
@@ -628,8 +628,11 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
                        + (error_ev(run, first[0])[:1] if first else []),
                        Remedy([], "nothing recorded says why it stopped: look at that rank's host (dmesg, the "
                               "scheduler's log) before rerunning", changes_cause=False), culprit=r, phase=phase)
-    return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {r}'s failure is "
-                   "a communication problem, see COMM)")
+    if err and is_network_error(err):
+        return Finding("INIT", "ranks_ran", "pass", f"no rank raised an error of its own (rank {r}'s failure is "
+                       "a communication problem, see COMM)")
+    return Finding("INIT", "ranks_ran", "pass", "no rank died or raised an error of its own (the checks below say "
+                   "what ended the run)")
 
 
 def _node_died(run: Run, r: int) -> Finding | None:

@@ -173,11 +173,15 @@ def relay_records(run_dir: str | os.PathLike, records: list[dict | None], my_nod
     return written
 
 
-def recorded_progress(status: dict) -> str:
+def recorded_progress(status: dict, died: bool = False) -> str:
     """``"phase 'forward', last recorded progress 64/270 samples"``: status records are written every
-    ``eval.status_interval_s`` seconds, so the count is a lower bound of what the rank had done."""
-    return (f"phase {status.get('phase')!r}, last recorded progress {status.get('samples_done')}/"
+    ``eval.status_interval_s`` seconds, so the count is a lower bound of what the rank had done; ``died``: say so
+    (a rank killed within a second of its last write had done more than its record shows)."""
+    text = (f"phase {status.get('phase')!r}, last recorded progress {status.get('samples_done')}/"
             f"{status.get('samples_planned')} samples")
+    if died and status.get("phase") not in ("done", "failed"):
+        text += " (a lower bound: its record is rewritten about once a second, so it may have done more before it died)"
+    return text
 
 
 def is_network_error(error: dict | None) -> bool:

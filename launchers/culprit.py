@@ -64,7 +64,7 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     if first is not None:
         r, gap = first
         if deaths.get(r):  # the launcher saw how it ended: say that, not only that it fell silent
-            return Culprit(r, f"rank {r} {deaths[r]} without recording an error, in {recorded_progress(records[r])} "
+            return Culprit(r, f"rank {r} {deaths[r]} without recording an error, in {recorded_progress(records[r], True)} "
                               f"(its heartbeat stopped {gap:.0f} s before any other rank's last sign of life)")
         return Culprit(r, f"rank {r}'s heartbeat stopped first, {gap:.0f} s before any other rank's last sign of "
                           f"life, in {recorded_progress(records[r])}: the process was stopped, froze or died")
@@ -75,7 +75,7 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
     if silent:
         r = silent[0]
         s = records.get(r)
-        where = f"in {recorded_progress(s)}" if s else "before writing any status record"
+        where = f"in {recorded_progress(s, True)}" if s else "before writing any status record"
         return Culprit(r, f"rank {r} {deaths[r]} without recording an error, {where}")
     never = [r for r, s in records.items() if s is None]
     if never:

@@ -128,6 +128,12 @@ def test_killed_rank(tmp_path):
     assert "SIGKILL" in report["runs"][0]["verdict"]["finding"]
     # launch.json knows it was a drill, so the remedy is to unset it (not the OOM remedy: a smaller batch)
     assert overrides == [] and "fault drill" in remedy["why"]
+    # only what is true: its record is a lower bound of its progress, and the run was killed, not timed out
+    assert "a lower bound" in report["runs"][0]["verdict"]["finding"]
+    code, report = doctor(run, "--apply", "--backoff-s=0")
+    effect = report["runs"][0]["attempts"][0]["effect"]
+    assert code == 0 and effect["failed_run_timeout_s"] is None, effect
+    assert "gave up" not in effect["said"] and "after its launch" in effect["said"], effect
     launch = json.loads((run / "launch.json").read_text())
     launch.pop("faults")
     (run / "launch.json").write_text(json.dumps(launch))
