@@ -50,9 +50,12 @@ def disk_full_finding(run: Run, err: dict, source: str, culprit: int | None, pha
             ev.append(Evidence(source, str(err[key]), field=f"{prefix}{key}"))
     need = f"{int(err['bytes_needed']):,} bytes" if isinstance(err.get("bytes_needed"), int) else "an unknown size"
     free = f"; {int(err['free_bytes']):,} bytes were free" if isinstance(err.get("free_bytes"), int) else ""
+    drill = drill_remedy(run, culprit, ("diskfull",))
     return Finding("INIT", "launch" if source == "launch.json" else "ranks_ran", "fail",
                    f"the disk is full ({err.get('errno') or 'ENOSPC'}): writing {err.get('path') or 'a record'} needed "
-                   f"{need}{free}" + (f" (rank {culprit})" if culprit is not None else ""), ev,
+                   f"{need}{free}" + (f" (rank {culprit})" if culprit is not None else "")
+                   + (" - injected by a fault drill (launch.json faults), not a real full disk" if drill else ""), ev,
+                   drill or
                    Remedy([], "free space on that filesystem, or rerun with hydra.run.dir on another one; an automatic "
                           "rerun would write into the same full disk", changes_cause=False),
                    culprit=culprit, phase=phase)
@@ -618,7 +621,7 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
         ev = [Evidence("launch.json", death, field=f"error.deaths.{r}"), status_ev(run, r, "phase"),
               status_ev(run, r, "samples_done")]
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} {death} without recording an error, in "
-                       f"{recorded_progress(s, True)}", ev, _death_remedy(run, death), culprit=r, phase=phase)
+                       f"{recorded_progress(s, True)}", ev, _death_remedy(run, death, r), culprit=r, phase=phase)
     if not err and s.get("phase") in ("init", "data", "forward"):
         first = sorted(errors(run))
         return Finding("INIT", "ranks_ran", "fail", f"rank {r} stopped without recording an error in "
@@ -662,9 +665,14 @@ def _node_died(run: Run, r: int) -> Finding | None:
                           "rerunning", changes_cause=False), culprit=r, phase=rank_phase(run.statuses.get(r), r)[0])
 
 
-def _death_remedy(run: Run, death: str) -> Remedy:
+# the signal each drill kind ends a rank with (disteval.faults): a death by it under that drill is the drill's
+DRILL_SIGNALS = {"kill": ("SIGKILL",), "stop": ("SIGSTOP",), "preempt": ("SIGUSR2", "SIGUSR1", "SIGTERM")}
+
+
+def _death_remedy(run: Run, death: str, r: int | None = None) -> Remedy:
     drill = (run.launch or {}).get("faults") or ""
-    if ("SIGKILL" in death and "kill" in drill) or ("SIGSTOP" in death and "stop" in drill):
+    kinds = tuple(k for k, signals in DRILL_SIGNALS.items() if any(sig in death for sig in signals))
+    if kinds and (drill_remedy(run, r, kinds) if r is not None else any(k in drill for k in kinds)):
         return Remedy([], f"the run was a fault drill (DISTEVAL_FAULTS={drill}): unset it", unset=["DISTEVAL_FAULTS"])
     if "SIGKILL" in death:
         bs = int(run.cfg("data.batch_size", 0) or 0)

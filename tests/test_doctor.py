@@ -390,3 +390,15 @@ def test_two_nodes_without_a_rendezvous_endpoint(tmp_path):
     assert (code, state, culprit) == (1, "INIT/launch", None)
     finding = report["runs"][0]["verdict"]["finding"]
     assert "at dist.rdzv_endpoint: dist.nnodes=2 needs the rendezvous" in finding, finding
+
+
+def test_preemption_drill_is_recognised(tmp_path):
+    """DISTEVAL_FAULTS=preempt@*:batch=3 outside SLURM: the checkpoint signal (SIGUSR2) ends the ranks; the doctor
+    names the death and, seeing the drill in launch.json, says to unset it (not "rerun unchanged")."""
+    run = tmp_path / "preempt"
+    proc = run_disteval(*QUICK, "dist.world_size=2", run_dir=run, env={"DISTEVAL_FAULTS": "preempt@*:batch=3"})
+    assert proc.returncode == 1 and "SIGUSR2" in proc.stderr, proc.stderr[-2000:]
+    code, report = doctor(run)
+    state, culprit, overrides, remedy = verdict(report)
+    assert (code, state) == (1, "INIT/ranks_ran") and "SIGUSR2" in report["runs"][0]["verdict"]["finding"]
+    assert overrides == [] and remedy["unset"] == ["DISTEVAL_FAULTS"] and "fault drill" in remedy["why"]

@@ -179,6 +179,8 @@ def test_injected_full_disk_is_named(tmp_path):
     run = tmp_path / "run"
     proc = run_disteval(*QUICK, "dist.world_size=2", run_dir=run, env={"DISTEVAL_FAULTS": "diskfull@1:batch=2"})
     _check_full_disk_records(run, proc.returncode, proc.stderr, [1])
+    _, diag = doctor_json(run)  # recognised as the drill it is: its remedy unsets it
+    assert "injected by a fault drill" in diag["verdict"]["finding"] and diag["remedy"]["unset"] == ["DISTEVAL_FAULTS"]
 
 
 @pytest.fixture
@@ -209,6 +211,8 @@ def test_real_full_disk_is_named(small_fs, tmp_path):
     failed = [r for r in range(2) if (status(run, r).get("error") or {}).get("type") == "DiskFullError"]
     assert failed, [status(run, r).get("error") for r in range(2)]
     _check_full_disk_records(run, proc.returncode, err, failed)
+    _, diag = doctor_json(run)  # a real full disk under a delay drill: not called the drill's
+    assert "injected" not in diag["verdict"]["finding"] and not diag["remedy"]["unset"], diag
 
 
 def test_idle_ranks_and_empty_predictions_are_warned_about(tmp_path):
