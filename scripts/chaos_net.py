@@ -143,7 +143,7 @@ class NetDrills:
         procs = {n: lab.popen(n, cmd, cwd=REPO, env=env, stdout=logs[n], stderr=subprocess.STDOUT) for n in logs}
         t_fault = time.monotonic()
         try:
-            t_fault = self._inject(rnd, run_dir, per_node) or t_fault
+            t_fault = self._inject(rnd, run_dir, per_node, lambda: procs["n1"].poll() is None) or t_fault
             try:
                 rnd.code = procs["n1"].wait(timeout=RUN_LIMIT_S)
             except subprocess.TimeoutExpired:
@@ -158,35 +158,53 @@ class NetDrills:
                 f.close()
         rnd.wall_s = t_end - t0
         rnd.outcome = {0: "ok", 1: "failed", 2: "refused", -9: "killed", None: "hung"}.get(rnd.code, "other")
+        rnd.facts["fault_after_launch_s"] = round(t_fault - t0, 2)  # when the fault struck or bit
         rnd.facts["end_after_fault_s"] = round(t_end - t_fault, 2)
         if t_end - t_fault > END_BOUND_S:
             rnd.violate("timeout", f"n1's driver ended {t_end - t_fault:.1f} s after the fault (bound {END_BOUND_S:g} s)")
         self._check_gone(rnd, procs)
 
-    def _inject(self, rnd, run_dir: Path, per_node: int) -> float | None:
-        """Wait for the moment the drill needs, then strike n2; the time of the fault (None: at launch)."""
+    def _inject(self, rnd, run_dir: Path, per_node: int, running) -> float | None:
+        """Wait for the moment the drill needs, then strike n2; the time of the fault: for the faults set before
+        the launch, the moment they bite (net_partition_start: n1's driver starts its ranks, which then wait for
+        n2 at the rendezvous; net_slow_link: a rank enters the final synchronisation, whose gather crosses the
+        slow link), so that imports, the rendezvous and the evaluation on a loaded machine do not count against
+        END_BOUND_S. None (the launch): the moment never came while n1's driver ran (``running``)."""
         lab, kind = self.lab, rnd.drill.kind
-        if kind == "net_partition_sync":
+        if kind == "net_partition_start":
+            log = run_dir.parent / f"{run_dir.name}.n1.log"
+            if self._wait(lambda: log.exists() and "checks passed" in log.read_text(errors="replace"), running=running):
+                return time.monotonic()
+        elif kind == "net_slow_link":
+            ranks = range(rnd.drill.world_size)
+            if self._wait(lambda: any(_status(run_dir, r).get("phase") == "sync" for r in ranks), running=running):
+                return time.monotonic()
+        elif kind == "net_partition_sync":
             rank = per_node  # n2's first rank waits in the sync's all_reduce while rank 0 is held
-            if self._wait(lambda: (_status(run_dir, rank).get("in_flight") or {}).get("op") == "all_reduce"):
+            if self._wait(lambda: (_status(run_dir, rank).get("in_flight") or {}).get("op") == "all_reduce",
+                          running=running):
                 lab.partition("n2", how="blackhole")
                 return time.monotonic()
             rnd.violate("outcome", f"rank {rank} never waited in the synchronisation's all_reduce")
         elif kind in ("net_freeze_node", "net_kill_node"):
             n2 = range(per_node, 2 * per_node)
-            if self._wait(lambda: all(_status(run_dir, r).get("batches_done", 0) >= rnd.drill.batch for r in n2)):
+            if self._wait(lambda: all(_status(run_dir, r).get("batches_done", 0) >= rnd.drill.batch for r in n2),
+                          running=running):
                 (lab.freeze if kind == "net_freeze_node" else lab.kill)("n2")
                 return time.monotonic()
             rnd.violate("outcome", f"n2's ranks never finished batch {rnd.drill.batch}")
         return None
 
     @staticmethod
-    def _wait(predicate, limit: float = 120.0) -> bool:
+    def _wait(predicate, limit: float = 120.0, running=None) -> bool:
+        """Poll ``predicate`` every 0.1 s until it holds (True), ``limit`` s pass or ``running()`` turns False."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if predicate():
                 return True
-            time.sleep(0.1)
+            if running is not None and not running():
+                return predicate()
+            time.sleep(0.05)
         return False
 
     def _check_gone(self, rnd, procs: dict) -> None:

@@ -76,4 +76,7 @@ def test_seeded_network_chaos_on_the_lab(tmp_path):
         want, got = rnd["expected"]["culprit"], rnd["doctor"]["culprit"]
         assert got in want if isinstance(want, list) else got == want, rnd
         assert rnd["facts"]["n2_exit"] is not None  # n2's driver ended too (healed or thawed first)
+        # the bound runs from the fault: for faults set before the launch, from when they bite (n1 starts its
+        # ranks; a rank enters the synchronisation), never from the launch (imports and start-up excluded)
+        assert rnd["facts"]["fault_after_launch_s"] > 1.0, rnd
     assert "0 violation(s) in 0 round(s)" in proc.stdout
