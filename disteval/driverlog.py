@@ -31,6 +31,13 @@ def _keep_off_console() -> None:
             handler.addFilter(_FILTER)
 
 
+def to_file(logger: logging.Logger, level: int, message: str) -> None:
+    """Write ``message`` to the driver's log only: the console shows it once, printed by whoever reports the
+    outcome (a refused SLURM job: ``launchers.submitit``'s final line)."""
+    _keep_off_console()
+    logger.log(level, message, extra={_FILE_ONLY: True})
+
+
 def step(message: str, level: int = logging.INFO) -> None:
     """Print ``message`` as a progress line on stderr and write it to the driver's log (file handlers only);
     only on the reporting process (not on ranks other than 0 under an external launcher)."""

@@ -14,6 +14,18 @@ class ConfigError(DistevalError):
         super().__init__(f"{key}: {message}")
 
 
+class PreflightProblems(ConfigError):
+    """Several independent problems found before any rank started (``disteval.common.problems.Problems``), reported
+    together so that one try shows them all. ``problems``: the DistevalErrors in the order found; ``key``: the
+    first one's config key (a DataError or CheckpointError without one: ``config``)."""
+
+    def __init__(self, problems: list[DistevalError]):
+        self.problems = list(problems)
+        listed = " ".join(f"({i}) {p}" for i, p in enumerate(self.problems, 1))
+        self.key = getattr(self.problems[0], "key", None) or "config"
+        DistevalError.__init__(self, f"{len(self.problems)} problems, found before any rank started: {listed}")
+
+
 class DataError(DistevalError):
     """Bad input data: a label out of range, non-finite logits, an unreadable file. Names the sample id
     (also as the attribute ``sample_id`` where one sample is at fault, else None)."""

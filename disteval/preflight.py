@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from disteval.common import netif
+from disteval.common.problems import Problems
 from disteval.comm import external_launch_detected, resolve_backend, resolve_device
 from disteval.config import JobConfig, job_config
 from disteval.errors import ConfigError, RendezvousError
@@ -88,21 +89,30 @@ def check_job(cfg: Any, notes: list[str]) -> None:
     """The checks of one job wherever its ranks will run (the local launcher, and the submitit launchers on the
     submitting host before anything is submitted): config values, fault drills, ``dist.parallel``, then the
     task's own (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
-    metric. Warnings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError."""
+    metric. Warnings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError; the problems of
+    independent checks together, as one PreflightProblems (a ConfigError listing them all)."""
     cfg = validate_config(cfg)
-    try:
-        world = int(os.environ["WORLD_SIZE"]) if external_launch_detected() else int(cfg.dist.world_size)
-        check_fault_ranks(parse_faults(os.environ.get(FAULTS_ENV)), world)
-    except ValueError as exc:
-        message = str(exc).removeprefix(f"{FAULTS_ENV}: ")
-        raise ConfigError(FAULTS_ENV, f"{message} (an environment variable for fault drills; unset it to run "
-                          "normally)") from None
-    check_parallel(cfg, notes)
+    problems = Problems()  # the independent checks all run: one try reports every problem
+    with problems.check():
+        try:
+            world = int(os.environ["WORLD_SIZE"]) if external_launch_detected() else int(cfg.dist.world_size)
+            check_fault_ranks(parse_faults(os.environ.get(FAULTS_ENV)), world)
+        except ValueError as exc:
+            message = str(exc).removeprefix(f"{FAULTS_ENV}: ")
+            raise ConfigError(FAULTS_ENV, f"{message} (an environment variable for fault drills; unset it to run "
+                              "normally)") from None
+    with problems.check():
+        check_parallel(cfg, notes)
     # model.checkpoints: the task's checks once per file (each must load into the architecture), notes once
-    for job in [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.checkpoints)] or [cfg]:
+    jobs = [cfg]
+    with problems.check():
+        jobs = [with_checkpoint(cfg, m.path) for m in expand_checkpoints(cfg.model.checkpoints)] or [cfg]
+    for job in jobs:
         seen = list(notes)
-        resolve_task(job)(job).preflight(notes)
+        with problems.check():
+            resolve_task(job)(job).preflight(notes)
         notes[len(seen):] = [n for n in notes[len(seen):] if n not in seen]
+    problems.raise_any()  # the checks below need the task's data and model
     task = resolve_task(cfg)(cfg)
     if cfg.eval.exclude_outlier_ranks and task.rank_metric is None:
         raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "

@@ -40,8 +40,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
+from disteval import driverlog
 from disteval.common.allocator import resolve as resolve_allocator
-from disteval.errors import SweepExit
+from disteval.errors import PreflightProblems, SweepExit
 from launchers.culprit import find_culprit
 
 log = logging.getLogger(__name__)
@@ -128,20 +129,31 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = initial_job_idx + i  # for hydra.sweep.subdir (the job's run directory)
             configs.append(cfg)
-            try:  # what is knowable up front fails here, before anything is submitted (the job's own faults first)
+            # what is knowable up front fails here, before anything is submitted, every problem at once: the
+            # job's shape, its own checks, its allocator, and a cluster to go to
+            problems: list[str] = []
+            try:
                 shape = job_shape(int(cfg.dist.world_size), cfg.dist.ranks_per_node,
                                   self.params.get("gpus_per_node"))
                 unfit = capacity.shape_problem(*shape, self.params.get("cpus_per_task")) if capacity else None
                 if unfit:
-                    raise ValueError(f"the cluster cannot hold this job: it {unfit}")
-                _preflight(cfg)
-                exports = tuple(resolve_allocator(str(cfg.dist.allocator)).shell_exports())
+                    problems.append(f"the cluster cannot hold this job: it {unfit}")
             except Exception as exc:  # noqa: BLE001 - reported as this job's failure, the others still run
-                refused[i] = f"{type(exc).__name__}: {exc}"
+                problems.append(f"{type(exc).__name__}: {exc}")
+            for check in (lambda: _preflight(cfg), lambda: resolve_allocator(str(cfg.dist.allocator))):
+                try:
+                    check()
+                except PreflightProblems as exc:
+                    problems += [f"{type(p).__name__}: {p}" for p in exc.problems]
+                except Exception as exc:  # noqa: BLE001
+                    problems.append(f"{type(exc).__name__}: {exc}")
+            if no_cluster:  # nowhere to go, whatever else is wrong
+                problems.append(no_cluster)
+            if problems:
+                refused[i] = problems[0] if len(problems) == 1 else \
+                    f"{len(problems)} problems: " + " ".join(f"({k}) {p}" for k, p in enumerate(problems, 1))
                 continue
-            if no_cluster:  # a job that is fine but has nowhere to go
-                refused[i] = no_cluster
-                continue
+            exports = tuple(resolve_allocator(str(cfg.dist.allocator)).shell_exports())
             # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
             (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)
             groups.setdefault((*shape, exports), []).append(i)
@@ -172,7 +184,10 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
 
     def _failed(self, cfg, idx: int, job_id: str, state: str, msg: str) -> JobReturn:
         run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-        log.error(msg)
+        if state == "REFUSED":  # printed once at the end (_report_run, _sweep_outcome), with each reason once
+            driverlog.to_file(log, logging.ERROR, msg)
+        else:
+            log.error(msg)
         ret = JobReturn()
         ret.overrides = list(cfg.hydra.overrides.task)
         ret.working_dir = str(run_dir)

@@ -6,6 +6,7 @@ size"), a corrupt dataset cache file (``BadZipFile`` naming no file)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import tarfile
 from pathlib import Path
 
@@ -187,3 +188,21 @@ def test_corrupt_digits_cache_in_a_rank_is_logged_and_rebuilt(tmp_path, monkeypa
     assert np.array_equal(x, x2) and np.array_equal(y, y2)
     assert len(notes) == 1 and str(path) in notes[0] and "corrupt" in notes[0] and "rebuilt" in notes[0], notes
     assert path.read_bytes() == raw
+
+
+# -- 6. several problems at once ------------------------------------------------------------------------------------
+
+def test_every_preflight_problem_is_reported_in_one_try(cli, tmp_path):
+    """A missing ImageFolder root, a missing checkpoint and a fault drill aimed past the world size: one try
+    reports all three (exit 2, before any rank starts), each once, numbered; launch.json keeps the first key."""
+    proc, run_dir = cli("+experiment=imagenet_vit", f"data.root={tmp_path}/no-such-root",
+                        f"model.checkpoint={tmp_path}/no-such.pt", env={"DISTEVAL_FAULTS": "kill@5:batch=1"})
+    text = _text(proc)
+    assert proc.returncode == 2, text[-3000:]
+    assert "3 problems, found before any rank started" in text, text[-3000:]
+    for what in ("(1) DISTEVAL_FAULTS", f"(2) data.root: '{tmp_path}/no-such-root' does not exist",
+                 f"(3) checkpoint '{tmp_path}/no-such.pt'"):
+        assert text.count(what) == 1, (what, text[-3000:])
+    assert not (run_dir / "ranks").exists()
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert launch["outcome"] == "config_error" and launch["error"]["key"] == "DISTEVAL_FAULTS"

@@ -164,10 +164,13 @@ def test_without_multirun_a_failing_rank_is_named_and_exits_1(slurm, tmp_path):
 
 def test_without_multirun_a_job_that_cannot_be_shaped_is_refused_before_submission(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _disteval("dist.world_size=3", "dist.ranks_per_node=2", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                     multirun=False, timeout=300)
+    proc = _disteval("dist.world_size=3", "dist.ranks_per_node=2", "model.checkpoint=/nonexistent/ckpt.pt",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path, multirun=False, timeout=300)
     assert proc.returncode == 2 and "configuration error" in proc.stderr and "not a multiple" in proc.stderr
     assert not (run_dir / ".submitit").exists() and not (run_dir / "ranks").exists()
+    # every problem in one try (the shape and the missing checkpoint), each printed once
+    text = " ".join(proc.stderr.split())
+    assert "2 problems" in text and text.count("not a multiple") == 1 and text.count("/nonexistent/ckpt.pt") == 1, text
 
 
 @pytest.mark.parametrize("path", ["/tmp/plain-1.2_x", "/tmp/a b,c=d", "/tmp/it's", "/tmp/back\\slash\\", "/tmp/~u:v"])

@@ -18,6 +18,7 @@ from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMet
 from disteval.metrics.bootstrap import CI_PROBS_MAX_CLASSES, SampleColumns
 from disteval.models import build_model, preflight_model, resolve_num_classes
 from disteval.common.formatting import fmt
+from disteval.common.problems import Problems
 from disteval.tasks.base import Task, register_task
 
 FAMILIES = ("classification", "ranking")
@@ -64,11 +65,22 @@ class ClassificationTask(Task):
         if cfg.eval.exclude_outlier_ranks and "classification" not in cfg.eval.metrics:
             raise ConfigError("eval.exclude_outlier_ranks", "outlier ranks are found from each rank's top-1 accuracy "
                               "(Task.rank_metric): it needs classification in eval.metrics")
-        check_data_root(cfg.data)
-        prepare_data(cfg.data, notes)
-        cache_line = preflight_cache(cfg.data)
-        if cache_line:
-            notes.append(cache_line)
+        problems = Problems()
+        with problems.check():
+            check_data_root(cfg.data)
+            prepare_data(cfg.data, notes)
+            cache_line = preflight_cache(cfg.data)
+            if cache_line:
+                notes.append(cache_line)
+        if problems:  # no data to check the model against: its weights or checkpoint are still checked
+            with problems.check():
+                try:
+                    classes = resolve_num_classes(cfg.model, None)
+                except ConfigError:  # its classes come from the data
+                    classes = None
+                if classes is not None:
+                    preflight_model(cfg.model, classes)
+            problems.raise_any()
         data_classes = dataset_num_classes(cfg.data)
         if data_classes is not None and self.num_classes != data_classes:
             raise ConfigError("data.root" if cfg.data.name == "imagefolder" else "model.num_classes",
