@@ -26,7 +26,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from disteval import driverlog
 from disteval.comm.profiles import apply_profile
 from disteval.common import allocator, startup
-from disteval.config import DistevalConfig, conf_dir, job_config, moved_key, register_schemas, unknown_key
+from disteval.config import (DistevalConfig, composition_problem, conf_dir, job_config, moved_key, register_schemas,
+                             unknown_key)
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
                              RunInterrupted, SweepExit)
 from disteval import rundir
@@ -208,10 +209,16 @@ _composed = False
 _failed_sweep: str | None = None  # the sweep directory of a basic-launcher multirun whose job failed
 
 
+_FULL_ERROR = "HYDRA_FULL_ERROR"  # set by main() until the config is composed: Hydra then raises its composition
+_set_full_error = False            # error to _main (composition_problem) instead of printing it
+
+
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     global _composed
     _composed = True
+    if _set_full_error:  # the job's own errors get Hydra's usual report again
+        os.environ.pop(_FULL_ERROR, None)
     code = run(cfg)
     if startup.reporting():
         write_report(HydraConfig.get().runtime.output_dir)
@@ -275,14 +282,30 @@ def _main() -> None:
     """Console-script entry point (``disteval``), same as ``python -m disteval``. A config that Hydra cannot
     compose (unknown key, wrong type, unknown group option; Hydra exits 1 after printing the error naming the
     key) exits 2 like every other configuration error."""
+    global _set_full_error
+    _set_full_error = _FULL_ERROR not in os.environ
+    if _set_full_error:
+        os.environ[_FULL_ERROR] = "1"
     try:
         _hydra_main()
+    except Exception as exc:  # noqa: BLE001 - raised before the config was composed (HYDRA_FULL_ERROR, set above)
+        if not _set_full_error or _composed:
+            raise
+        problem = composition_problem(exc)
+        if problem:
+            _err.print(f"[bold red]disteval: configuration error[/] {escape(problem)}", soft_wrap=True, highlight=False)
+        else:  # Hydra's own words, as it prints them without HYDRA_FULL_ERROR
+            sys.stderr.write(f"{exc}\n" + (f"{exc.__cause__}\n" if exc.__cause__ is not None else ""))
+        sys.exit(2)
     except SystemExit as exc:
         if exc.code == 1 and not _composed and rundir.refused_with is None and not isinstance(exc, SweepExit):
             sys.exit(2)  # (a full disk at the claim stays 1, and so does a launcher's partial sweep)
         if exc.code and _failed_sweep is not None:
             _end_of_failed_sweep(_failed_sweep)
         raise
+    finally:
+        if _set_full_error:
+            os.environ.pop(_FULL_ERROR, None)
 
 
 def _end_of_failed_sweep(sweep_dir: str) -> None:

@@ -579,9 +579,28 @@ def unknown_key(override: str) -> str | None:
     depth = key.count(".")  # keys as deep as the one given: a misspelt leaf suggests leaves, not their node
     close = difflib.get_close_matches(key, sorted(k for k in keys if k.count(".") == depth), n=3, cutoff=0.8)
     hint = f"did you mean {' or '.join(close)}?" if close else (
-        f"the keys of {parent}: {', '.join(sorted(k.rsplit('.', 1)[1] for k in keys if k.rsplit('.', 1)[0] == parent))}"
+        f"the keys of {parent}: {', '.join(sorted(k.rsplit('.', 1)[1] for k in keys if '.' in k and k.rsplit('.', 1)[0] == parent))}"
         if parent in keys else "see docs/configuration.md")
     return f"{key}: no such key; {hint}"
+
+
+def composition_problem(exc: BaseException) -> str | None:
+    """One line for Hydra's error composing the config from YAML files (a ``ConfigCompositionException`` whose
+    cause names ``full_key``): a key of ``MOVED_KEYS`` (an old option name inside a YAML file) named with its new
+    place, an unknown key with the closest valid keys (``unknown_key``); each with the file Hydra names. None
+    for any other error (Hydra's own message stands)."""
+    import re
+
+    cause = exc.__cause__ or exc.__context__  # Hydra raises it inside ``except`` without ``from``
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return None
+    where = re.match(r"In '([^']+)'", str(exc))
+    source = f" (in {where.group(1)}.yaml)" if where else ""
+    if key in MOVED_KEYS:
+        return f"{key}{source}: moved to {MOVED_KEYS[key]} (each task's options have a node of their own); write it there"
+    problem = unknown_key(f"{key}=")
+    return None if problem is None else problem.replace(f"{key}:", f"{key}{source}:", 1)
 
 
 def moved_key(override: str) -> str | None:

@@ -346,6 +346,20 @@ def test_a_task_option_under_its_old_name_is_refused_naming_its_node(tmp_path, o
     assert moved_key(f"~{old}").endswith(f"use ~{new}")
 
 
+@pytest.mark.parametrize("key,said", [("topk", "eval.topk (in experiment/mine.yaml): moved to eval.classification.topk"),
+                                       ("topq", "eval.topq (in experiment/mine.yaml): no such key; the keys of eval:")])
+def test_an_old_or_unknown_key_inside_a_yaml_file_is_named_in_one_line(tmp_path, key, said):
+    """The same inside a YAML file of the user's config directory: one line naming the key, the file and its new
+    place (or the valid keys), exit 2, instead of Hydra's five-line ConfigKeyError."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(f"# @package _global_\neval:\n  {key}: [1]\n")
+    proc = subprocess.run([sys.executable, "-m", "disteval", "--config-dir", str(tmp_path / "conf"), "+experiment=mine",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and f"configuration error {said}" in text, text[-2000:]
+    assert "full_key" not in proc.stderr and "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 def _console(stdout: str) -> list[str]:
     """The run's console without what differs from run to run or by launch path: times, throughput, the number
     of collectives (an external launcher's two broadcasts of the run directory), log lines and the results path."""
