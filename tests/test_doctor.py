@@ -19,6 +19,7 @@ from sklearn.model_selection import train_test_split
 
 from conftest import REPO, load_results, run_disteval
 from recorded_runs import copy_run, diagnostics_cli
+from test_doctor_experiments import assert_report
 from disteval.common.ranges import batch_aligned_bounds
 from disteval.models.reference_cnn import DigitsCNN
 
@@ -366,6 +367,7 @@ def test_probes_and_sanity_on_every_task_family(tmp_path):
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         main = load_results(run)["task"]["main_metric"]
         assert main in load_results(run)["metrics"], name
+        assert_report(run, proc.stderr)  # every experiment's report.html renders
         code, report = doctor(run, "--probe", env={"DISTEVAL_SHARED": str(shared)})  # the config names ../shared
         assert (code, verdict(report)[0]) == (0, None), (name, report["runs"][0]["verdict"])
         probes = report["runs"][0]["probes"]

@@ -46,6 +46,17 @@ def _jobs(tmp: Path) -> dict[str, tuple[str, ...]]:
     }
 
 
+def assert_report(run: Path, stderr: str) -> None:
+    """Every experiment writes its report.html (issue 48 item 3: one experiment's failed to render): the page is
+    there, the run said nothing of a report it could not write, and the main metric read from results.json is
+    on the page as the report formats it (4 decimals)."""
+    results = load_results(run)
+    main = results["task"]["main_metric"]
+    assert "could not write" not in stderr, stderr[-2000:]
+    html = (run / "report.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and f"{results['metrics'][main]:.4f}" in html, (main, results["metrics"][main])
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, tuple[str, ...]]:
     return _jobs(tmp_path_factory.mktemp("experiments"))
@@ -65,5 +76,6 @@ def test_doctor_finds_a_healthy_run_of_the_experiment(jobs, name, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = load_results(run)
     assert results["task"]["main_metric"] in results["metrics"]
+    assert_report(run, proc.stderr)
     diagnosis = diagnose(load_run(run))
     assert diagnosis.verdict is None, [f.as_dict() for f in diagnosis.findings if f.status == "fail"]
