@@ -211,6 +211,7 @@ _failed_sweep: str | None = None  # the sweep directory of a basic-launcher mult
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"  # set by main() until the config is composed: Hydra then raises its composition
 _set_full_error = False            # error to _main (composition_problem) instead of printing it
+_exit_code = 0  # a failed single run's exit code, set by _hydra_main after it returned to Hydra (trackers log it)
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
@@ -232,6 +233,10 @@ def _hydra_main(cfg: DictConfig) -> None:
             _failed_sweep = str(hc.sweep.dir)
             raise DistevalError(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}; "
                                 f"see above and {hc.runtime.output_dir}")
+        if hc.mode == RunMode.RUN:  # returning lets Hydra call on_job_end: the trackers log a failed run too;
+            global _exit_code      # _main exits with the code
+            _exit_code = code
+            return
         sys.exit(code)
 
 
@@ -282,12 +287,14 @@ def _main() -> None:
     """Console-script entry point (``disteval``), same as ``python -m disteval``. A config that Hydra cannot
     compose (unknown key, wrong type, unknown group option; Hydra exits 1 after printing the error naming the
     key) exits 2 like every other configuration error."""
-    global _set_full_error
-    _set_full_error = _FULL_ERROR not in os.environ
+    global _set_full_error, _exit_code
+    _set_full_error, _exit_code = _FULL_ERROR not in os.environ, 0
     if _set_full_error:
         os.environ[_FULL_ERROR] = "1"
     try:
         _hydra_main()
+        if _exit_code:
+            sys.exit(_exit_code)
     except Exception as exc:  # noqa: BLE001 - raised before the config was composed (HYDRA_FULL_ERROR, set above)
         if not _set_full_error or _composed:
             raise

@@ -430,6 +430,10 @@ def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_ag
             if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
                 exc.rank = 0
             raise
+        except Exception as exc:  # one line, as for a rank of a launch (the traceback is in its status.json)
+            failed = DistevalError(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            failed.rank = 0
+            raise failed from exc
     elif int(cfg.dist.nnodes) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
         launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
                      rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck))

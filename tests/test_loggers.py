@@ -134,8 +134,9 @@ def test_results_name_where_each_tracker_logged(single):
     _, run_dir, results = single
     assert set(results["trackers"]) == {"csv", "mlflow", "tensorboard", "wandb"}
     assert "tracker_warnings" not in results
-    for where in results["trackers"].values():
-        assert Path(where).exists() and str(run_dir) in where
+    for where in results["trackers"].values():  # a folder or file, or MLflow's sqlite:///<run dir>/mlflow.db#<run id>
+        path = where.removeprefix("sqlite:///").partition("#")[0]
+        assert Path(path).exists() and str(run_dir) in where
     from disteval.loggers import tracker_locations, trackers_line
 
     assert tracker_locations(run_dir) == results["trackers"]
@@ -164,15 +165,17 @@ def test_csv_holds_the_scalars_of_results_json(single):
     assert results["trackers"]["csv"] == str(run_dir / "metrics.csv")
 
 
-def test_mlflow_run_has_metrics_params_tags_and_artifacts(single, mlflow_env, tmp_path):
+def test_mlflow_run_has_metrics_params_tags_and_artifacts(single, tmp_path):
     from mlflow import MlflowClient
 
     _, run_dir, results = single
-    client = MlflowClient(f"file:{run_dir / 'mlruns'}")
+    # the default store is MLflow's recommended local one, read as it is (no MLFLOW_ALLOW_FILE_STORE needed)
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("disteval")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
-    assert Path(results["trackers"]["mlflow"]).name == run.info.run_id
+    assert results["trackers"]["mlflow"] == f"sqlite:///{run_dir / 'mlflow.db'}#{run.info.run_id}"
+    assert run.info.artifact_uri.startswith(f"file://{run_dir / 'mlartifacts'}")
     assert run.data.metrics == expected_scalars(results)
     params = run.data.params
     assert params["dist.world_size"] == "1" and params["data.limit"] == "64"
@@ -221,11 +224,11 @@ def test_wandb_offline_run_holds_summary_config_and_files(single):
 
 # --- a sweep: parent and child runs, series over the world size ---------------------------------------------------
 
-def test_mlflow_sweep_is_a_parent_run_with_one_child_per_job(sweep, mlflow_env):
+def test_mlflow_sweep_is_a_parent_run_with_one_child_per_job(sweep):
     from mlflow import MlflowClient
 
     _, sweep_dir, jobs = sweep
-    client = MlflowClient(f"file:{sweep_dir / 'mlruns'}")
+    client = MlflowClient(f"sqlite:///{sweep_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("disteval").experiment_id
     runs = client.search_runs([exp])
     (parent,) = [r for r in runs if r.data.tags.get("disteval.kind") == "sweep"]
@@ -235,13 +238,13 @@ def test_mlflow_sweep_is_a_parent_run_with_one_child_per_job(sweep, mlflow_env):
         num = int(child.data.tags["disteval.job"])
         assert child.data.metrics == expected_scalars(jobs[num])
         assert child.data.tags["world_size"] == str(jobs[num]["world_size"])
-        assert Path(jobs[num]["trackers"]["mlflow"]).name == child.info.run_id
+        assert jobs[num]["trackers"]["mlflow"].endswith(f"#{child.info.run_id}")
     history = client.get_metric_history(parent.info.run_id, "sweep.throughput.images_per_s")
     by_size = {r["world_size"]: r["throughput"]["images_per_s"] for r in jobs.values()}
     assert sorted((m.step, m.value) for m in history) == sorted(by_size.items()) and set(by_size) == {1, 2}
     assert {"summary.csv", "summary.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     record = json.loads((sweep_dir / "trackers.json").read_text())
-    assert Path(record["trackers"]["mlflow"]).name == parent.info.run_id
+    assert record["trackers"]["mlflow"].endswith(f"#{parent.info.run_id}")
 
 
 def test_tensorboard_sweep_series_has_world_size_as_step(sweep):
@@ -332,3 +335,28 @@ def test_mlflow_server_with_a_sqlite_backend(tmp_path):
     finally:
         os.killpg(server.pid, 9)
         server.wait()
+
+
+def test_mlflow_file_store_when_asked_for_and_a_failed_run_is_logged(tmp_path, mlflow_env):
+    """A file store still works when the user names one (MLflow 3 reads it with MLFLOW_ALLOW_FILE_STORE=true), and
+    a single run that fails is logged too, as a FAILED run with its params and no metrics."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    env = {**_env(tmp_path), "DISTEVAL_FAULTS": "error@0:batch=1"}
+    proc = _disteval(tmp_path, f"hydra.run.dir={run_dir}", "dist.world_size=1", *JOB, "logger=mlflow",
+                     f"hydra.callbacks.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}", env=env)
+    assert proc.returncode == 1 and "injected error after batch 1" in proc.stderr, proc.stderr[-2000:]
+    client = MlflowClient(f"file:{tmp_path / 'mlruns'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("disteval").experiment_id])
+    assert run.info.status == "FAILED" and run.data.metrics == {} and run.data.params["dist.world_size"] == "1"
+
+
+@pytest.mark.parametrize("uri", ["htp://localhost:5000", "http://"])
+def test_an_unusable_tracking_uri_fails_before_any_rank_starts(tmp_path, uri):
+    run_dir = tmp_path / "run"
+    proc = _disteval(tmp_path, f"hydra.run.dir={run_dir}", "dist.world_size=1", *JOB, "logger=mlflow",
+                     f"hydra.callbacks.mlflow.tracking_uri='{uri}'")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "configuration error hydra.callbacks.mlflow.tracking_uri" in text, text[-2000:]
+    assert not (run_dir / "ranks").exists()

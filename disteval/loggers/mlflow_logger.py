@@ -5,17 +5,23 @@ exists). A sweep is a parent run (tagged ``disteval.sweep_dir``, found again by 
 process runs it) with one child run per job; at the sweep's end the parent gets the forward throughput, the
 evaluation time and the main metric per world size as step series (step = world size) and summary.csv/png.
 
-The tracking URI is ``hydra.callbacks.mlflow.tracking_uri``, else $MLFLOW_TRACKING_URI, else a local file store
-``file:<run dir>/mlruns`` (``<sweep dir>/mlruns`` for a sweep) that works offline; MLflow 3 refuses file stores
-unless MLFLOW_ALLOW_FILE_STORE=true, which is set for this process when the URI is a file store."""
+The tracking URI is ``hydra.callbacks.mlflow.tracking_uri``, else $MLFLOW_TRACKING_URI, else MLflow's recommended
+local store, a SQLite database ``sqlite:///<run dir>/mlflow.db`` (``<sweep dir>/mlflow.db`` for a sweep; artifacts
+in ``<run dir>/mlartifacts``) that works offline and that ``mlflow ui --backend-store-uri sqlite:///...`` and
+``MlflowClient`` read as they are. A file store (``file:...`` or a plain path) still works when asked for: MLflow 3
+has put it in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE=true, which is set for this process.
+The URI is checked when Hydra builds the callback, before any rank starts (``check_tracking_uri``)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from disteval.errors import ConfigError
 from disteval.loggers.base import JobView, TrackerCallback, per_class, per_class_csv, scalar_metrics
 from disteval.sweep import MAIN_METRICS  # the first one present is a job's main metric
 
@@ -34,12 +40,24 @@ class MlflowLogger(TrackerCallback):
         super().__init__()
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.http_retries, self.http_timeout_s = int(http_retries), http_timeout_s
+        try:  # before any rank starts: an unusable URI fails the run now, not after the evaluation
+            check_tracking_uri(self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        except ConfigError as exc:
+            from disteval.rundir import _refuse
+
+            _refuse(exc)
 
     def client(self, base_dir: Path):
         """(MlflowClient, tracking URI, experiment id) for a job whose default store is under ``base_dir``."""
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.http_retries))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(self.http_timeout_s)))
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"file:{(base_dir / 'mlruns').resolve()}"
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        artifacts = None
+        if not uri:  # MLflow's recommended local store, with the artifacts beside it
+            uri = f"sqlite:///{(base_dir / 'mlflow.db').resolve()}"
+            artifacts = f"file:{(base_dir / 'mlartifacts').resolve()}"
+            for name in ("mlflow.store.db.utils", "alembic"):  # its schema migration's INFO lines
+                logging.getLogger(name).setLevel(logging.WARNING)
         if urlparse(uri).scheme in ("", "file"):
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         from mlflow import MlflowClient
@@ -49,7 +67,7 @@ class MlflowLogger(TrackerCallback):
         if exp is not None:
             return client, uri, exp.experiment_id
         try:
-            return client, uri, client.create_experiment(self.experiment)
+            return client, uri, client.create_experiment(self.experiment, artifact_location=artifacts)
         except Exception:  # noqa: BLE001 - created meanwhile by another job of the sweep
             return client, uri, client.get_experiment_by_name(self.experiment).experiment_id
 
@@ -123,7 +141,43 @@ class MlflowLogger(TrackerCallback):
 
 
 def location(uri: str, exp: str, run_id: str, artifact_uri: str) -> str:
-    """Where a run is: its folder in a local file store, else the tracking server's UI address of the run."""
-    if urlparse(artifact_uri).scheme == "file" and urlparse(uri).scheme in ("", "file"):
+    """Where a run is: its folder in a local file store, ``<sqlite URI>#<run id>`` in a local database (open it
+    with ``mlflow ui --backend-store-uri <sqlite URI>``), else the tracking server's UI address of the run."""
+    scheme = urlparse(uri).scheme
+    if urlparse(artifact_uri).scheme == "file" and scheme in ("", "file"):
         return str(Path(urlparse(artifact_uri).path).parent)
+    if scheme == "sqlite":
+        return f"{uri}#{run_id}"
     return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+
+
+STORE_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc",
+                 "uc")  # what MlflowClient takes as a tracking URI (MLflow's tracking store registry)
+
+
+def check_tracking_uri(uri: str | None) -> None:
+    """Raise ConfigError naming ``hydra.callbacks.mlflow.tracking_uri`` when ``uri`` cannot be a tracking store:
+    a scheme MLflow has no store for (asked of MLflow's own registry where it answers), an http(s) URI without a
+    host, a database store whose driver (SQLAlchemy) is not installed. None (the default store) passes. Nothing is
+    contacted: a server that does not answer is retried at the end and becomes a warning."""
+    if not uri:
+        return
+    key = "hydra.callbacks.mlflow.tracking_uri"
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.split("+")[0]  # postgresql+psycopg2: the dialect before the driver
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+        _tracking_store_registry.get_store_builder(uri)
+        known = True
+    except ImportError:  # the registry moved: the schemes it had
+        known = scheme in STORE_SCHEMES
+    except Exception:  # noqa: BLE001 - MLflow's refusal of a scheme it has no store for
+        known = False
+    if not known:
+        raise ConfigError(key, f"{uri!r}: MLflow has no tracking store for scheme {parsed.scheme!r}; use "
+                          "sqlite:///PATH/mlflow.db, http(s)://HOST:PORT, postgresql://..., or file:PATH")
+    if scheme in ("http", "https") and not parsed.hostname:
+        raise ConfigError(key, f"{uri!r} names no host")
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql") and importlib.util.find_spec("sqlalchemy") is None:
+        raise ConfigError(key, f"{uri!r} is a database store, which needs SQLAlchemy: pip install 'disteval[mlflow]'")
