@@ -108,6 +108,7 @@ class RankRun:
         self.store = self._store()
         cols = self.task.sample_columns() if int(cfg.eval.ci.resamples) > 0 else None
         self.stats = None
+        self.ci_metric = None  # rank 0's synchronised metric whose Task.confidence_intervals come after results.json
         if cols is not None:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
             self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(cols) for m in self.members})
                           if self.members else SampleStatsHook(cols))
@@ -272,10 +273,28 @@ class RankRun:
             seconds_after_loop = self._after_loop(ev)
             out = self._synchronise(ev, progress)
             out["seconds_after_loop"] = seconds_after_loop
-            if self.stats is not None and not self.outcomes:
-                out["intervals"] = self._intervals()
             display.finish()
         return out
+
+    def add_intervals(self, results: dict | None) -> None:
+        """``eval.ci``: the bootstrap intervals, computed after results.json holds the metrics (``finish``), so
+        that a long bootstrap interrupted (Ctrl-C, a time limit) loses none of them; rank 0 then rewrites
+        results.json (and each checkpoint's) with ``confidence_intervals``. Every rank calls it: the per-sample
+        rows are gathered to rank 0 (a collective)."""
+        ci = self.ctx.cfg.eval.ci
+        if self.stats is not None:
+            got = self._intervals()
+        elif self.ci_metric is not None:
+            got = self._task_intervals(self.ci_metric, ci)
+        else:
+            return
+        if self.ctx.rank != 0 or results is None or got is None:
+            return
+        results["confidence_intervals"] = got
+        if self.members:
+            self._finish_members(results)
+        else:
+            write_results(self.ctx.run_dir, results)
 
     def _intervals(self) -> dict | None:
         """The bootstrap intervals of the per-sample rows (``_intervals_of``); {name: intervals} for the
@@ -372,7 +391,7 @@ class RankRun:
             out["coverage"], out["metrics"] = cov, final.metric.compute()
             ci = cfg.eval.ci
             if int(ci.resamples) > 0 and self.stats is None and not self.outcomes:
-                out["intervals"] = self._task_intervals(final.metric, ci)
+                self.ci_metric = final.metric  # its intervals come after results.json (add_intervals)
             if kept_runs is not None:
                 out["exclusion"] = self._exclusion_record(drop, kept_runs, synced.rows, ev.metric.compute())
         return out
@@ -429,7 +448,7 @@ class RankRun:
             "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
             "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
                                                 if r.get("fingerprint")}),
-            "canary": self.canary, "confidence_intervals": outcomes[0].get("intervals"),
+            "canary": self.canary, "confidence_intervals": None,  # added after this write (add_intervals)
             "filesystem": ctx.filesystem,
             **({"parallel": self.mesh.record()} if self.mesh else {}),
             **self._decode_errors(last["rows"])})
@@ -582,6 +601,7 @@ def run_rank(cfg: JobConfig, run_dir: str, env: RankEnv | None, agree_run_dir: b
             run.outcomes.append(run.trial())
             ctx.status.update(trial=trial + 1, force=True)
         results = run.finish(t_total)
+        run.add_intervals(results)
         ctx.status.update(comm=ctx.comm.stats() if ctx.comm is not None else None)
         ctx.status.done()
         if ctx.rank == 0 and ctx.filesystem == "node-local":  # the other nodes' last records, for the doctor

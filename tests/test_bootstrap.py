@@ -108,3 +108,33 @@ def test_resampled_auroc_equals_scikit_learn_with_ties():
         i = rng.integers(0, 800, 800)
         assert auroc(i) == pytest.approx(roc_auc_score(target[i], probs[i], multi_class="ovr", labels=range(6)),
                                          rel=1e-12)
+
+
+def test_an_interrupted_bootstrap_keeps_the_finished_metrics(tmp_path):
+    """results.json holds the metrics before the bootstrap starts: Ctrl-C (SIGINT to the run's process group) in
+    a long bootstrap (100,000 resamples of 540 digits at W = 2) exits 130 and leaves results.json with metrics
+    == a run without intervals (W = 1) and ``confidence_intervals`` null (they were computed first, and lost)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    run_dir = tmp_path / "ci"
+    proc = subprocess.Popen([sys.executable, "-m", "disteval", "eval.metrics=[classification,ranking]",
+                             "eval.ci.resamples=100000", "dist.world_size=2", "eval.progress=false",
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "results.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it was interrupted (the bootstrap took under a poll)"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    kept = load_results(run_dir)
+    assert kept["confidence_intervals"] is None
+    ref = run_disteval("eval.metrics=[classification,ranking]", "dist.world_size=1", run_dir=tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert kept["metrics"] == load_results(tmp_path / "ref")["metrics"]
