@@ -69,7 +69,8 @@ class RankRun:
         self.streamed = self.task.streamed  # tar shards planned per rank (Task.streamed): no mesh, positions resumed
         # dist.parallel: a device mesh
         self.mesh = MeshRun(ctx) if dims_from_config(cfg, ctx.world_size) is not None else None
-        self.members = model_set.members_of(cfg)  # model.checkpoints: several networks on the same batches
+        # model.checkpoints: several networks on the same batches, the files rank 0's glob found (one broadcast)
+        self.members = model_set.members_of(cfg, ctx.comm if ctx.world_size > 1 else None)
         self.model = self._build_model()
         self.faults = FaultPlan(ctx.rank)
         self.allocator = allocator.rank_record(str(cfg.dist.allocator))  # what is really in force

@@ -7,6 +7,8 @@ synchronisation are those of a one-checkpoint job, and each network's states are
 (``disteval.metrics.collection.PerModelMetrics``)."""
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,9 +24,24 @@ from disteval.tasks.base import Task
 RESULTS_DIR = "checkpoints"
 
 
-def members_of(cfg: Any) -> list[Member]:
-    """The checkpoint set of the job (``model.checkpoints`` expanded), [] for a one-model job."""
-    return expand_checkpoints(cfg.model.checkpoints)
+def members_of(cfg: Any, comm: Any = None) -> list[Member]:
+    """The checkpoint set of the job (``model.checkpoints`` expanded), [] for a one-model job. With ``comm`` (a
+    ``disteval.comm.Communicator`` of W > 1 ranks) every rank takes rank 0's expansion (one broadcast): ranks on
+    nodes whose filesystems differ evaluate the same files in the same order, and a rank that cannot see one of
+    them raises ConfigError naming it, its rank and host (no rank globs a set of its own)."""
+    if not cfg.model.checkpoints:
+        return []
+    if comm is None or comm.world_size == 1:
+        return expand_checkpoints(cfg.model.checkpoints)
+    mine = expand_checkpoints(cfg.model.checkpoints) if comm.rank == 0 else None
+    agreed = comm.broadcast_json({"members": [[m.name, m.path] for m in mine]} if mine is not None else None)
+    members = [Member(name, path) for name, path in agreed["members"]]
+    missing = [m.path for m in members if not os.path.isfile(m.path)]
+    if missing:
+        raise ConfigError("model.checkpoints", f"rank {comm.rank} on host {socket.gethostname()} cannot see "
+                          f"{len(missing)} of rank 0's {len(members)} checkpoint files: {missing[:3]} (nodes must "
+                          "share the files, at the same paths)")
+    return members
 
 
 def build_models(task: Task, members: list[Member], device: torch.device,

@@ -127,3 +127,42 @@ def test_per_model_metrics_route_one_output_per_model():
     metrics.update((logits, nan), targets, ids)
     with pytest.raises(DataError, match="checkpoint b: .*sample id 1"):
         metrics.raise_deferred()
+
+
+def _members_rank(rank: int, store_path: str, cwds: list[str], out: str) -> None:
+    """One of two gloo ranks: in its own working directory (where the relative pattern finds other files), the
+    set it evaluates (``model_set.members_of`` with the communicator), written to OUT/rank{r}.json."""
+    import os
+
+    import torch.distributed as dist
+
+    from disteval.comm import Communicator
+    from disteval.model_set import members_of
+
+    os.chdir(cwds[rank])
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        cfg = validated({"model": {"checkpoints": "ckpts/*.pt"}})
+        got = [[m.name, m.path] for m in members_of(cfg, Communicator("cpu"))]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_evaluates_rank_0s_expansion_of_the_pattern(checkpoints, tmp_path):
+    """Two real ranks whose working directories hold different files for the same relative pattern (as nodes with
+    different filesystems would): both evaluate rank 0's files, in rank 0's order (each rank globbing on its own
+    would give rank 1 the other set)."""
+    import torch.multiprocessing as mp
+
+    cwds = []
+    for r, picks in enumerate(((0, 1), (1, 2))):
+        (tmp_path / f"cwd{r}" / "ckpts").mkdir(parents=True)
+        for i in picks:
+            (tmp_path / f"cwd{r}" / "ckpts" / f"m{i}.pt").write_bytes(checkpoints[i].read_bytes())
+        cwds.append(str(tmp_path / f"cwd{r}"))
+    mp.spawn(_members_rank, args=(str(tmp_path / "store"), cwds, str(tmp_path)), nprocs=2, join=True)
+    want = [[m.name, m.path] for m in expand_checkpoints(f"{cwds[0]}/ckpts/*.pt")]
+    assert [n for n, _ in want] == ["m0", "m1"]
+    for r in range(2):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text()) == want, r
