@@ -159,13 +159,13 @@ EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after anoth
 
 
 SPLIT = ("test_benchmarks.py",)  # files whose tests are a unit each
-# wall seconds of the longest units (measured 2026-12-04: four workers on the 2-core machine, tests/conftest.py's
-# order of that day); the scheduling order only, longest first. Units not named here go after them.
-UNIT_SECONDS = {"netlab": 1200, "slurm-lab": 434, "netlab-side": 300, "test_doctor.py": 412, "slurm": 308, "test_doctor_evidence.py": 280,
-                "test_prediction_store.py": 261, "test_cli.py": 237, "test_hardening.py": 215,
-                "test_heterogeneous.py": 181, "test_html_report.py": 176, "test_benchmark_smoke[heterogeneous.py]": 128,
-                "test_bitwise_dist.py": 124, "test_segmentation.py": 123, "test_coco.py": 118,
-                "test_benchmark_smoke[checkpoints.py]": 98, "test_readme_commands.py": 102, "test_allocator.py": 84,
+# wall seconds of the longest units (measured 2026-12-07: four workers on the 2-core machine, with other work running;
+# the ordering is what counts), longest first. Units not named here go after them.
+UNIT_SECONDS = {"netlab": 1114, "test_doctor.py": 649, "slurm-lab": 574, "slurm": 462, "netlab-side": 331,
+                "test_prediction_store.py": 330, "test_html_report.py": 306, "test_hardening.py": 237, "test_cli.py": 217,
+                "test_doctor_evidence.py": 208, "test_readme_commands.py": 201, "test_heterogeneous.py": 188,
+                "test_benchmark_smoke[heterogeneous.py]": 128, "test_bitwise_dist.py": 124, "test_segmentation.py": 123,
+                "test_coco.py": 118, "test_benchmark_smoke[checkpoints.py]": 98, "test_allocator.py": 84,
                 "test_bootstrap.py": 83, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
 
 
@@ -220,7 +220,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seconds are what ``UNIT_SECONDS`` orders by."""
     if hasattr(config, "workerinput") or not _unit_seconds:
         return
-    terminalreporter.write_sep("=", "slowest 12 units (seconds of their tests, one worker each)")
+    total = sum(_unit_seconds.values())
+    terminalreporter.write_sep("=", f"slowest 12 units (seconds of their tests, one worker each; all "
+                                    f"{len(_unit_seconds)} units: {total:.0f} s)")
     for unit, seconds in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {unit}")
 
