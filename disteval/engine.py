@@ -479,6 +479,7 @@ class RankRun:
         """A job of several checkpoints: each member's results.json, the job's with ``checkpoints`` blocks
         (``disteval.model_set``), each member's metrics on the console and the table of all."""
         nets = self.model.members
+        results.pop("checkpoints", None)  # a second write (add_intervals): each member's record is its own
         results["model"]["class"] = type(next(iter(nets.values()))).__name__
         blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
         results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
