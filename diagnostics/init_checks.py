@@ -644,20 +644,28 @@ def _node_died(run: Run, r: int) -> Finding | None:
     node died or was killed at once (power, OOM killer of a node, a crashed VM). None otherwise."""
     host = (run.statuses.get(r) or {}).get("host")
     launch = run.node_launches.get(str(host)) if host else None
-    if not launch or launch.get("outcome") != "running":
-        return None
     mine = [q for q, s in run.statuses.items() if s and s.get("host") == host]
+    # node-local run directories: that node's launch.json is on its own disk, but its ranks' records were relayed
+    # through the rendezvous store; two or more of them stopping at once, none with an error, is the node
+    relayed = (launch is None and len(mine) >= 2 and all((run.statuses[q] or {}).get("relayed") for q in mine)
+               and host != (run.statuses.get(0) or {}).get("host"))
+    if not relayed and (not launch or launch.get("outcome") != "running"):
+        return None
     if any((run.statuses[q] or {}).get("error") for q in mine):
         return None
-    beats = [float(run.statuses[q].get("t_heartbeat") or 0) for q in mine] + [float(launch.get("t_heartbeat") or 0)]
+    beats = [float(run.statuses[q].get("t_heartbeat") or 0) for q in mine]
+    beats += [] if relayed else [float(launch.get("t_heartbeat") or 0)]
     victims = [float(e["time"]) for q, e in errors(run).items() if q not in mine and isinstance(e.get("time"), (int, float))]
     if not victims or max(beats) > min(victims):
         return None  # something of that node still beat after its peers failed: not a node that died at once
     src = f"nodes/{host}/launch.json"
-    ev = [Evidence(src, "running", field="outcome"), Evidence(src, str(launch.get("t_heartbeat")), field="t_heartbeat")]
+    ev = [] if relayed else [Evidence(src, "running", field="outcome"),
+                             Evidence(src, str(launch.get("t_heartbeat")), field="t_heartbeat")]
     ev += [status_ev(run, q, "t_heartbeat") for q in mine[:2]]
     ev += [e for q in sorted(errors(run))[:1] for e in error_ev(run, q)[:1]]
-    return Finding("INIT", "ranks_ran", "fail", f"node {host} died or was killed: its launcher and its rank(s) {mine} "
+    who = (f"its rank(s) {mine} (their records relayed through the rendezvous store; its launcher's record is on its "
+           "own disk)" if relayed else f"its launcher and its rank(s) {mine}")
+    return Finding("INIT", "ranks_ran", "fail", f"node {host} died or was killed: {who} "
                    f"stopped at once without recording an error (their heartbeats ended before the other nodes' "
                    "ranks failed waiting for them), in "
                    f"{recorded_progress(run.statuses.get(r) or {})}", ev,

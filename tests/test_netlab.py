@@ -568,18 +568,24 @@ def test_partition_during_the_final_sync(lab, where):
     _nothing_left(lab)
 
 
-@pytest.mark.parametrize("action", ["freeze", "kill"])
+@pytest.mark.parametrize("action", ["freeze", "kill", "kill-local"])
 def test_node_frozen_or_killed_mid_forward(lab, action):
     """Every rank is held after its first batch (a delay drill); meanwhile n2 is frozen (SIGSTOP to every
     process in it) or killed (SIGKILL). n1's driver ends within about one timeout naming a rank of n2; the
     doctor blames that rank and says what happened: frozen (its heartbeat stopped: no timeout helps) or the
-    node died (its launcher and its ranks stopped at once); after a thaw nothing of the run survives."""
+    node died (its launcher and its ranks stopped at once; with node-local run directories, ``kill-local``, from
+    n2's ranks' records relayed through the store, its launcher's record being on n2's disk); after a thaw
+    nothing of the run survives."""
+    local = action == "kill-local"
+
     def strike(run_dir):
-        wait_for(lambda: rank_status(run_dir, 2).get("batches_done", 0) >= 1 and
-                 rank_status(run_dir, 3).get("batches_done", 0) >= 1, 90, "ranks 2 and 3 to finish a batch")
+        seen = lab.node("n2").tmp / run_dir.name if local else run_dir  # n2's own disk, or the shared folder
+        wait_for(lambda: rank_status(seen, 2).get("batches_done", 0) >= 1 and
+                 rank_status(seen, 3).get("batches_done", 0) >= 1, 90, "ranks 2 and 3 to finish a batch")
         (lab.freeze if action == "freeze" else lab.kill)("n2")
 
-    procs, took, run_dir = _run_with_fault(lab, f"node_{action}", "delay@*:batch=1,seconds=6", strike)
+    procs, took, run_dir = _run_with_fault(lab, f"node_{action.replace('-', '_')}", "delay@*:batch=1,seconds=6",
+                                           strike, node_local=local)
     assert took < 60, took
     assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
     said = " ".join(procs["n1"].stderr.split())
@@ -592,6 +598,7 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
         assert "stopped: its heartbeat stopped" in finding and "not slow" in finding, finding
     else:  # the node's launcher and ranks vanished together, with no error of their own
         assert "node n2 died or was killed" in finding, finding
+        assert ("relayed through the rendezvous store" in finding) == local, finding
     assert report["remedy"]["changes_cause"] is False
     _nothing_left(lab)
 
