@@ -9,6 +9,8 @@ that answers, and room for each job's shape. Every check reads the scheduler's o
   a job of that shape fits the partition's nodes (node count and CPUs per node, as ``sinfo`` reports them),
   else why not, with the largest shape that fits. sbatch refuses such a job at submission (``Requested node
   configuration is not available``); checking every job first keeps a sweep from being half submitted.
+- ``PendingWatch``: while the driver waits, why a submitted job pends (``squeue``), said once it has pended a
+  while and again when the reason changes (a job requeued after its node died waits for it: ReqNodeNotAvail).
 """
 from __future__ import annotations
 
@@ -87,4 +89,39 @@ class Capacity:
                 "hydra.launcher.cpus_per_task to fit)")
 
 
-__all__ = ["CLIENTS", "Capacity", "cluster_problem"]
+def queue_state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) of a job still in the queue (``squeue -h -j ID -o %T|%r``: e.g. ("PENDING",
+    "ReqNodeNotAvail, UnavailableNodes:n2")), None when squeue does not list it (ended, or no answer)."""
+    code, out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
+    line = out.splitlines()[0] if code == 0 and out else ""
+    state, sep, reason = line.partition("|")
+    return (state.strip(), reason.strip()) if sep else None
+
+
+class PendingWatch:
+    """Says, while the driver waits for a job, why the job does not run: once it has pended ``after_s`` seconds
+    (a queue wait, a hold, a requeue after a node died that waits for the node: ReqNodeNotAvail), and again
+    whenever the reason changes. ``say``: where the line goes (the console)."""
+
+    def __init__(self, job_id: str, say, after_s: float = 10.0):
+        self.job_id, self.say, self.after_s = str(job_id), say, after_s
+        self.since: float | None = None
+        self.ran = False
+        self.said: tuple[str, str] | None = None
+
+    def poll(self, now: float) -> None:
+        """One look at the queue (``now``: time.monotonic())."""
+        found = queue_state(self.job_id)
+        if found is None or found[0] != "PENDING":
+            self.ran = self.ran or (found is not None and found[0] in ("RUNNING", "COMPLETING"))
+            self.since = None
+            return
+        self.since = now if self.since is None else self.since
+        if now - self.since >= self.after_s and found != self.said:
+            self.said = found
+            what = "was requeued and is pending" if self.ran else "is pending"
+            self.say(f"SLURM job {self.job_id} {what} for {now - self.since:.0f} s: {found[1] or 'no reason given'} "
+                     f"(the driver keeps waiting; `scancel {self.job_id}` stops the job)")
+
+
+__all__ = ["CLIENTS", "Capacity", "PendingWatch", "cluster_problem", "queue_state"]

@@ -201,8 +201,11 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                             f"submitted: {error}")
 
     def _outcome(self, job, cfg, idx: int) -> JobReturn:
-        """Wait for ``job``; a JobReturn that is COMPLETED only when every task completed."""
+        """Wait for ``job``, saying why it pends (``launchers.cluster.PendingWatch``); a JobReturn that is
+        COMPLETED only when every task completed."""
         try:
+            if self._EXECUTOR == "slurm":
+                _wait_saying_why(job)
             return job.results()[0]
         except Exception as exc:  # noqa: BLE001 - submitit raises several kinds; the state says which
             state = _final_state(job)
@@ -310,6 +313,27 @@ def _report_run(ret: JobReturn, run_dir: Path, config) -> int:
               f"{run_dir}/.submitit/", soft_wrap=True, highlight=False)
     err.print(f"diagnose: python -m diagnostics doctor {shlex.quote(str(run_dir))}", soft_wrap=True, highlight=False)
     return 1
+
+
+PENDING_POLL_S = 5.0  # how often the driver looks at the queue while it waits for a job
+
+
+def _wait_saying_why(job) -> None:
+    """Return once ``job`` is done; meanwhile print why it pends when it does (a queue wait, a hold, a requeue
+    waiting for a node that died), instead of waiting silently."""
+    import time
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from launchers.cluster import PendingWatch
+
+    err = Console(stderr=True)
+    watch = PendingWatch(str(job.job_id), lambda m: err.print(f"[yellow]disteval:[/] {escape(m)}", soft_wrap=True,
+                                                              highlight=False))
+    while not job.done():
+        watch.poll(time.monotonic())
+        time.sleep(PENDING_POLL_S)
 
 
 def _final_state(job) -> str:

@@ -211,3 +211,16 @@ def test_requeue_resumes_from_checkpoints_with_identical_metrics(slurm, tmp_path
     assert local_proc.returncode == 0
     assert load_results(tmp_path / "sweep" / "0")["metrics"] == load_results(local_dir)["metrics"]
     assert not list((tmp_path / "sweep" / "0" / "ranks").glob("rank*/checkpoint.pt"))  # removed when done
+
+
+def test_the_driver_says_why_its_job_pends(slurm, tmp_path):
+    """A job that cannot start yet (sbatch --begin=now+20: SLURM's reason BeginTime, as a requeued job waiting for
+    a dead node shows ReqNodeNotAvail) is said on the console once it has pended 10 s, with the reason and how to
+    stop it, instead of a silent wait; the run then completes (exit 0)."""
+    run_dir = tmp_path / "run"
+    proc = _disteval("dist.world_size=1", f"hydra.run.dir={run_dir}", "++hydra.launcher.additional_parameters.begin=now+20",
+                     cwd=tmp_path, multirun=False)
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    said = re.findall(r"SLURM job (\d+) is pending for (\d+) s: BeginTime \(the driver keeps waiting; `scancel \1`", text)
+    assert len(said) == 1 and int(said[0][1]) >= 10, text[-3000:]
