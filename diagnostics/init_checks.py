@@ -35,6 +35,10 @@ _FETCH_REASON = re.compile(r"Name or service not known|Temporary failure in name
                            r"timed out", re.I)
 
 
+# a dead process's kernel closes its sockets (a peer reads EOF or a reset); a node cut off from the network says nothing
+_PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|ECONNRESET|Broken pipe", re.I)
+
+
 def _port_ok(port, allow_zero: bool = True) -> bool:
     return isinstance(port, int) and not isinstance(port, bool) and (0 if allow_zero else 1) <= port <= 65535
 
@@ -641,12 +645,15 @@ def _died_or_stalled(run: Run, culprit) -> Finding:
 def _node_died(run: Run, r: int) -> Finding | None:
     """Rank ``r`` recorded no error, and neither did any rank of its node, whose launcher's record
     (``nodes/<host>/launch.json``, a multi-node launch) stayed "running" while its heartbeat stopped: the whole
-    node died or was killed at once (power, OOM killer of a node, a crashed VM). None otherwise."""
+    node died or was killed at once (power, OOM killer of a node, a crashed VM). With node-local run directories
+    (only the ranks' relayed records are here) a peer must also have seen its connections to that node closed: a
+    node cut off from the network stops its relayed records the same way. None otherwise."""
     host = (run.statuses.get(r) or {}).get("host")
     launch = run.node_launches.get(str(host)) if host else None
     mine = [q for q, s in run.statuses.items() if s and s.get("host") == host]
     # node-local run directories: that node's launch.json is on its own disk, but its ranks' records were relayed
-    # through the rendezvous store; two or more of them stopping at once, none with an error, is the node
+    # through the rendezvous store; two or more of them stopping at once, none with an error, while a peer saw its
+    # connections to them closed, is the node (without that, a node cut off from this one looks the same)
     relayed = (launch is None and len(mine) >= 2 and all((run.statuses[q] or {}).get("relayed") for q in mine)
                and host != (run.statuses.get(0) or {}).get("host"))
     if not relayed and (not launch or launch.get("outcome") != "running"):
@@ -658,6 +665,8 @@ def _node_died(run: Run, r: int) -> Finding | None:
     victims = [float(e["time"]) for q, e in errors(run).items() if q not in mine and isinstance(e.get("time"), (int, float))]
     if not victims or max(beats) > min(victims):
         return None  # something of that node still beat after its peers failed: not a node that died at once
+    if relayed and not any(_PEER_CLOSED.search(str(e.get("message"))) for q, e in errors(run).items() if q not in mine):
+        return None  # no peer saw its connections close: a node cut off from this one looks the same from here
     src = f"nodes/{host}/launch.json"
     ev = [] if relayed else [Evidence(src, "running", field="outcome"),
                              Evidence(src, str(launch.get("t_heartbeat")), field="t_heartbeat")]
