@@ -163,7 +163,9 @@ class DataConfig:
     cache: ``none``, ``pixels`` (the exact decoded-pixel cache, ``disteval/data/pixel_cache.py``: the first run
     builds it as it evaluates, later runs read uint8 crops from memory-mapped .npy parts, bit for bit the same
     pixels) or ``rebuild`` (discard that cache and build it again). cache_dir: where pixel caches live (null:
-    ``$DISTEVAL_CACHE_DIR/pixels``, default ``~/.cache/disteval/pixels``).
+    ``$DISTEVAL_CACHE_DIR/pixels``, default ``~/.cache/disteval/pixels``). cache_verify: before a run reads the
+    cache, ``stat`` (the default: size of every file, and the bytes of each file whose mtime changed, against
+    the xxh3-64 digests recorded at build) or ``content`` (the bytes of every file: reads the whole dataset once).
     loader_timeout_s: seconds a loader worker may take to deliver one batch (with num_workers > 0; null: wait
     forever): past it the rank fails with a DataError instead of waiting on a stuck worker (a worker whose
     batch cannot be sent never delivers it, and the rank's heartbeat would go on).
@@ -196,6 +198,7 @@ class DataConfig:
     decode: str = "pil"
     cache: str = "none"
     cache_dir: Optional[str] = None
+    cache_verify: str = "stat"
     loader_timeout_s: Optional[float] = 600.0
 
     def validate(self) -> None:
@@ -226,6 +229,8 @@ class DataConfig:
 def _check_pixels(data: "DataConfig") -> None:
     """``data.decode`` / ``data.cache``: known values, imagefolder data only, not with decode_on_device.
     Raises ConfigError naming the key."""
+    if data.cache_verify not in ("stat", "content"):
+        raise ConfigError("data.cache_verify", f"{data.cache_verify!r} is not one of ['stat', 'content']")
     if data.cache not in PIXEL_CACHE_MODES:
         raise ConfigError("data.cache", f"{data.cache!r} is not one of {list(PIXEL_CACHE_MODES)}")
     if data.decode not in DECODERS:

@@ -5,6 +5,7 @@ pixels; two jobs never both build it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -208,7 +209,26 @@ def test_a_changed_file_refuses_the_run_before_any_rank_and_rebuild_rebuilds(tre
     cache = tmp_path / "cache"
     run = tmp_path / "a"
     ref = _metrics(run, run_disteval(*_job(own, cache, "data.cache=pixels"), run_dir=run))
-    victim = sorted(own.glob("*/*.JPEG"))[3]
+    files = sorted(own.glob("*/*.JPEG"))
+    # a copied tree (every mtime new, the same bytes): the bytes are compared once with the digests recorded at
+    # build, then the manifest holds the new mtimes; data.cache_verify=content compares every file every time
+    built, _ = _cache(own, cache)
+    assert built.check_contents(N) == 0
+    for i, f in enumerate(files):
+        os.utime(f, ns=(time.time_ns(), time.time_ns() + i))
+    touched, _ = _cache(own, cache)
+    assert touched.check_contents(N) == N and _cache(own, cache)[0].check_contents(N) == 0
+    assert _cache(own, cache)[0].check_contents(N, everything=True) == N
+    # the same size, another byte: refused before any rank, naming the file and both digests
+    other = files[5]
+    original = other.read_bytes()
+    other.write_bytes(original[:600] + bytes([original[600] ^ 0x55]) + original[601:])
+    proc = run_disteval(*_job(own, cache, "data.cache=pixels"), run_dir=tmp_path / "same-size")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = " ".join(proc.stderr.split())
+    assert f"file {other.relative_to(own)} (sample 5): xxh3-64 " in said and "same size, changed content" in said, said
+    other.write_bytes(original)
+    victim = files[3]
     victim.write_bytes(victim.read_bytes() + b"\0")  # a byte more: another file
     proc = run_disteval(*_job(own, cache, "data.cache=pixels"), run_dir=tmp_path / "b")
     assert proc.returncode == 2 and f"file {victim.relative_to(own)}: class/size" in proc.stderr
@@ -335,3 +355,11 @@ def test_an_input_bound_run_is_named_and_apply_measures_the_pixel_cache(tree, tm
     effect = attempts[-1]["effect"]
     assert effect["metrics_equal"] and effect["speedup"] > 1.0
     assert "measured: the loader delivered" in doc.stdout
+
+
+def test_an_unknown_cache_verify_is_named():
+    from disteval.config import DataConfig
+    from disteval.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.cache_verify: 'sha' is not one of \['stat', 'content'\]"):
+        DataConfig(name="imagefolder", cache="pixels", cache_verify="sha").validate()

@@ -8,6 +8,8 @@ Layout, one folder per (dataset root, preprocessing) under ``data.cache_dir`` (d
 
     <root name>-<key>/manifest.json           the preprocessing settings and their digest (``key``), the library
                                               versions that make the pixels, the file list (path, class, size)
+                                              and each file's mtime (``check_contents``: a file whose mtime
+                                              changed has its bytes compared with the parts' digests)
     <root name>-<key>/parts/<a>-<b>.npy       uint8 [b - a, 3, crop, crop] of samples a .. b-1 (numpy .npy,
                                               memory-mapped when read)
     <root name>-<key>/parts/<a>-<b>.json      the part's record: xxh3-128 of each block of BLOCK rows, xxh3-64
@@ -72,10 +74,15 @@ def settings_of(data: Any) -> dict:
             "libraries": library_versions(decode)}
 
 
-def file_list(samples: list[tuple[str, int]], root: str) -> list[list]:
-    """``[[path relative to root, class index, size in bytes], ...]`` of ImageFolder ``samples``."""
-    base = Path(root)
-    return [[str(Path(p).relative_to(base)), int(c), os.stat(p).st_size] for p, c in samples]
+def file_list(samples: list[tuple[str, int]], root: str) -> tuple[list[list], list[int]]:
+    """``([[path relative to root, class index, size in bytes], ...], [mtime in ns, ...])`` of ImageFolder
+    ``samples`` (one ``stat`` each)."""
+    base, files, mtimes = Path(root), [], []
+    for p, c in samples:
+        st = os.stat(p)
+        files.append([str(Path(p).relative_to(base)), int(c), st.st_size])
+        mtimes.append(st.st_mtime_ns)
+    return files, mtimes
 
 
 def _digest(obj: Any) -> str:
@@ -105,10 +112,12 @@ class PixelCache:
         base = Path(data.cache_dir) if data.cache_dir else cache_root() / "pixels"
         self.folder = base / f"{Path(root).name or 'root'}-{key}"
         self.crop = settings["crop_size"]
-        files = file_list(samples, root)
+        files, mtimes = file_list(samples, root)
+        # mtimes are not part of files_digest: a copied tree (new mtimes, same bytes) is the same data, said by
+        # the bytes' digests (check_contents), after which the manifest takes the new mtimes
         self.manifest = {"settings": settings, "settings_digest": _digest(settings), "root": root, "classes": classes,
                          "num_samples": len(files), "shape": [3, self.crop, self.crop], "dtype": "uint8",
-                         "files_digest": _digest(files), "files": files}
+                         "files_digest": _digest(files), "files": files, "mtimes": mtimes}
 
     @property
     def parts_dir(self) -> Path:
@@ -144,6 +153,44 @@ class PixelCache:
                 return f"file {p}: class/size {old[p][1:]} in the cache, {new[p][1:]} now ({len(changed)} files differ)"
             return "the file list's order differs"
         return None
+
+    def check_contents(self, n: int, everything: bool = False) -> int:
+        """Compare the bytes of the files among samples [0, n) whose mtime differs from the manifest's (all of
+        them with ``everything``: ``data.cache_verify=content``) with the xxh3-64 digests that the parts recorded
+        of the bytes their pixels were decoded from; when all agree, the manifest takes the new mtimes (written
+        atomically), so the next run reads no file. Returns the number of files read. Raises ConfigError naming
+        data.cache and the first file whose bytes differ (same size, other content: a size change is refused by
+        ``difference``). Parts without recorded digests are not checked."""
+        path = self.folder / "manifest.json"
+        parts = self.cover(n)
+        if parts is None or not path.exists():
+            return 0
+        have = json.loads(path.read_text())
+        old, new = have.get("mtimes") or [], self.manifest["mtimes"]
+        todo = [i for i in range(n) if everything or i >= len(old) or old[i] != new[i]]
+        if not todo:
+            return 0
+        import xxhash
+
+        sources: dict[int, str] = {}
+        for p in parts:
+            for j, h in enumerate(p.meta.get("sources") or []):
+                sources[p.start + j] = h
+        root, files, read = Path(self.manifest["root"]), self.manifest["files"], 0
+        for i in todo:
+            want = sources.get(i)
+            if want is None:
+                continue
+            got = xxhash.xxh3_64((root / files[i][0]).read_bytes()).hexdigest()
+            read += 1
+            if got != want:
+                raise ConfigError("data.cache", f"the pixel cache {self.folder} was built from other bytes of file "
+                                  f"{files[i][0]} (sample {i}): xxh3-64 {want} when it was built, {got} now (same "
+                                  "size, changed content). Delete that folder or run with data.cache=rebuild")
+        mtimes = list(old) + new[len(old):]
+        mtimes[:n] = new[:n]  # only the files just compared (or unchanged) take their new mtime
+        _write_atomic(path, json.dumps(dict(have, mtimes=mtimes)).encode())
+        return read
 
     def ensure_manifest(self) -> None:
         """Write manifest.json (atomically) unless it exists. Raises ConfigError naming data.cache when an
@@ -423,6 +470,7 @@ def pixel_dataset(data: Any) -> Any:
     cache = PixelCache(data, folder.samples, folder.classes)
     n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
     if cache.complete(n):
+        cache.check_contents(n)  # the files whose mtime changed (the driver's preflight already compared them)
         return CachedPixels(cache, n)
     cache.ensure_manifest()
 
@@ -459,7 +507,9 @@ def preflight_cache(data: Any) -> str | None:
         return f"data.cache=rebuild: the pixel cache {cache.folder} is discarded and built again by this run"
     cache.ensure_manifest()
     if cache.complete(n):
-        return f"data.cache=pixels: reading the pixels of {n} images from {cache.folder}"
+        read = cache.check_contents(n, everything=str(data.cache_verify) == "content")
+        checked = f" ({read} files' bytes compared with the digests recorded at build)" if read else ""
+        return f"data.cache=pixels: reading the pixels of {n} images from {cache.folder}{checked}"
     return (f"data.cache=pixels: this run decodes the {n} images and builds the pixel cache {cache.folder} "
             "as it goes; later runs of the same files and transform read it")
 
