@@ -113,7 +113,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from _summary import finish, row
     from disteval.data.datasets import imagenet_eval_transform
-    from disteval.data.pixel_cache import CachedPixels, PartWriter, PixelCache
+    from disteval.data.pixel_cache import CachedPixels, PartWriter, folder_cache
     from disteval.data.pixels import PixelFolder, PixelNormalizer
     from omegaconf import OmegaConf
 
@@ -140,7 +140,7 @@ def main() -> int:
         # the cache, built in this process (what the ranks' taps do)
         data = OmegaConf.create({"root": str(tree), "resize_size": args.resize, "crop_size": args.crop,
                                  "decode": "pil", "cache_dir": str(tmp / "cache")})
-        cache = PixelCache(data, pil.samples, pil.classes)
+        cache = folder_cache(data, pil.samples, pil.classes)
         cache.ensure_manifest()
         writer = PartWriter(cache, 0, n, {"benchmark": True})
         pixels = torch.stack([pil[i][0] for i in range(n)])

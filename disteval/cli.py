@@ -139,7 +139,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     from disteval.config import heterogeneous_policy
     from disteval.faults import apply_at_start
     from disteval.preflight import preflight, preflight_without_kernels
-    from disteval.data.pixel_cache import driver_build_lock
+    from disteval.data.pixel_source import driver_build_lock
 
     try:
         if external:  # a drill's kernel set (DISTEVAL_FAULTS cpu@R): before this rank's first kernel, the preflight's

@@ -160,7 +160,8 @@ class DataConfig:
     decode: imagefolder images: ``pil`` (Pillow, torchvision's ImageFolder loader: the reference pixels) or
     ``turbo`` (libjpeg-turbo through simplejpeg with DCT-domain downscaling: faster, pixels may differ; results.json
     ``compute.decode``). Loader workers ship uint8 [3, crop, crop]; the step normalises on the model's device.
-    cache: ``none``, ``pixels`` (the exact decoded-pixel cache, ``disteval/data/pixel_cache.py``: the first run
+    cache (imagefolder and webdataset): ``none``, ``pixels`` (the exact decoded-pixel cache, ``disteval/data/pixel_cache.py``,
+    ``disteval/data/stream_cache.py``: the first run
     builds it as it evaluates, later runs read uint8 crops from memory-mapped .npy parts, bit for bit the same
     pixels) or ``rebuild`` (discard that cache and build it again). cache_dir: where pixel caches live (null:
     ``$DISTEVAL_CACHE_DIR/pixels``, default ``~/.cache/disteval/pixels``). cache_verify: before a run reads the
@@ -227,8 +228,8 @@ class DataConfig:
 
 
 def _check_pixels(data: "DataConfig") -> None:
-    """``data.decode`` / ``data.cache``: known values, imagefolder data only, not with decode_on_device.
-    Raises ConfigError naming the key."""
+    """``data.decode`` / ``data.cache``: known values; the decoder for imagefolder data, the cache for imagefolder
+    and webdataset data; neither with decode_on_device. Raises ConfigError naming the key."""
     if data.cache_verify not in ("stat", "content"):
         raise ConfigError("data.cache_verify", f"{data.cache_verify!r} is not one of ['stat', 'content']")
     if data.cache not in PIXEL_CACHE_MODES:
@@ -237,9 +238,10 @@ def _check_pixels(data: "DataConfig") -> None:
         raise ConfigError("data.decode", f"{data.decode!r} is not one of {list(DECODERS)}")
     if data.decode == "turbo" and importlib.util.find_spec("simplejpeg") is None:
         raise ConfigError("data.decode", "turbo needs simplejpeg (libjpeg-turbo): pip install 'disteval[turbo]'")
-    for key, on in (("data.cache", data.cache != "none"), ("data.decode", data.decode != "pil")):
-        if on and data.name != "imagefolder":
-            raise ConfigError(key, f"applies to imagefolder data (decoded JPEG files); data.name={data.name!r}")
+    for key, on, names in (("data.cache", data.cache != "none", ("imagefolder", "webdataset")),
+                           ("data.decode", data.decode != "pil", ("imagefolder",))):
+        if on and data.name not in names:
+            raise ConfigError(key, f"applies to {' and '.join(names)} data (decoded images); data.name={data.name!r}")
         if on and data.decode_on_device:
             raise ConfigError(key, "data.decode_on_device=true decodes on the device: the host decoder and the "
                               "pixel cache do not apply; set one or the other")

@@ -166,7 +166,7 @@ UNIT_SECONDS = {"netlab": 1114, "test_doctor.py": 649, "slurm-lab": 574, "slurm"
                 "test_doctor_evidence.py": 208, "test_readme_commands.py": 201, "test_heterogeneous.py": 188,
                 "test_benchmark_smoke[heterogeneous.py]": 128, "test_bitwise_dist.py": 124, "test_segmentation.py": 123,
                 "test_coco.py": 118, "test_benchmark_smoke[checkpoints.py]": 98, "test_allocator.py": 84,
-                "test_bootstrap.py": 83, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
+                "test_bootstrap.py": 83, "test_stream_cache.py": 80, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
 
 
 def check_groups_reached_xdist(config, items) -> None:

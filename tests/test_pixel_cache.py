@@ -116,13 +116,13 @@ def test_cache_metrics_equal_the_jpeg_path_at_every_world_size(tree, tmp_path):
 
 
 def _cache(tree: Path, cache_dir: Path):
-    from disteval.data.pixel_cache import PixelCache
+    from disteval.data.pixel_cache import folder_cache
     from disteval.data.pixels import PixelFolder
 
     folder = PixelFolder(str(tree), RESIZE, CROP)
     data = OmegaConf.create({"root": str(tree), "resize_size": RESIZE, "crop_size": CROP, "decode": "pil",
                              "cache_dir": str(cache_dir)})
-    return PixelCache(data, folder.samples, folder.classes), folder
+    return folder_cache(data, folder.samples, folder.classes), folder
 
 
 def _build(tree: Path, cache_dir: Path, bounds=((0, 20), (20, N))):
@@ -240,7 +240,7 @@ def test_a_changed_file_refuses_the_run_before_any_rank_and_rebuild_rebuilds(tre
 def test_a_second_job_waits_for_the_builder_and_never_builds(tree, tmp_path):
     """The build lock is the driver's flock: a real second process holds it for 2 s; build_lock says whose it is,
     waits, and gets it once the holder ends."""
-    from disteval.data.pixel_cache import build_lock
+    from disteval.data.pixel_source import build_lock
 
     cache, _ = _cache(tree, tmp_path)
     cache.folder.mkdir(parents=True)

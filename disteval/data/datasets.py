@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from disteval.data.cache import cache_root, read_npz, say, write_npz
 from disteval.data.device_decode import EncodedImageFolder
-from disteval.data.pixel_cache import pixel_dataset
+from disteval.data.pixel_source import pixel_dataset
 from disteval.errors import ConfigError, DataError
 
 DATASETS = ("digits", "fashion_mnist", "imagefolder", "webdataset")

@@ -2,7 +2,9 @@
 
 An imagefolder dataset's eval transform (decode, resize, center crop; ``disteval.data.pixels``) is deterministic,
 so its uint8 output can be stored once and read at memory speed by every later run, sweep job, checkpoint set and
-re-score of the same files and transform, bit for bit the pixels the JPEG path makes.
+re-score of the same files and transform, bit for bit the pixels the JPEG path makes. Streamed tar shards use the
+same parts, keyed by sample position (``disteval.data.stream_cache``); ``disteval.data.pixel_source`` decides which
+pixels a run reads and holds the driver's build lock.
 
 Layout, one folder per (dataset root, preprocessing) under ``data.cache_dir`` (default ``CACHE/pixels``)::
 
@@ -26,7 +28,6 @@ the first time it touches it; a block that differs is named with both digests, i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -74,6 +75,32 @@ def settings_of(data: Any) -> dict:
             "libraries": library_versions(decode)}
 
 
+def cache_folder(data: Any, name: str, identity: Any) -> Path:
+    """``data.cache_dir`` (default ``CACHE/pixels``) / ``<name>-<digest of identity>``."""
+    base = Path(data.cache_dir) if data.cache_dir else cache_root() / "pixels"
+    return base / f"{name or 'root'}-{_digest(identity)[:16]}"
+
+
+def folder_cache(data: Any, samples: list[tuple[str, int]], classes: list[str]) -> "PixelCache":
+    """The PixelCache of imagefolder ``data`` (root, resize_size, crop_size, decode, cache_dir); ``samples``:
+    ImageFolder's ``(path, class)`` list in dataset order."""
+    root = str(Path(data.root).resolve())
+    settings = settings_of(data)
+    crop = settings["crop_size"]
+    files, mtimes = file_list(samples, root)
+    # mtimes are not part of files_digest: a copied tree (new mtimes, same bytes) is the same data, said by
+    # the bytes' digests (check_contents), after which the manifest takes the new mtimes
+    manifest = {"settings": settings, "settings_digest": _digest(settings), "root": root, "classes": classes,
+                "num_samples": len(files), "shape": [3, crop, crop], "dtype": "uint8", "unit": "file",
+                "files_digest": _digest(files), "files": files, "mtimes": mtimes}
+
+    def source_bytes(i: int) -> Iterator[tuple[int, bytes]]:
+        yield i, (Path(root) / files[i][0]).read_bytes()
+
+    return PixelCache(cache_folder(data, Path(root).name, {"root": root, "settings": settings}), manifest,
+                      source_bytes)
+
+
 def file_list(samples: list[tuple[str, int]], root: str) -> tuple[list[list], list[int]]:
     """``([[path relative to root, class index, size in bytes], ...], [mtime in ns, ...])`` of ImageFolder
     ``samples`` (one ``stat`` each)."""
@@ -100,24 +127,16 @@ class Part:
 
 
 class PixelCache:
-    """The cache of one dataset root and preprocessing (see the module's text).
+    """The cache of one dataset and preprocessing (see the module's text): ``folder`` and the ``manifest`` it must
+    hold (settings and their digest, ``root``, ``classes``, ``num_samples``, ``shape`` [C, H, W] uint8, ``files``
+    with ``files_digest``, ``mtimes``; ``unit``: ``file`` (one sample per file: imagefolder) or ``shard`` (a tar
+    shard of many samples: ``disteval.data.stream_cache``)). Made by ``folder_cache`` or ``stream_cache``.
+    ``source_bytes(i)``: the ``(sample position, bytes)`` pairs of file ``i`` whose digests the parts recorded
+    (``check_contents``)."""
 
-    Args: data: the ``data`` config (root, resize_size, crop_size, decode, cache_dir); samples: ImageFolder's
-    ``(path, class)`` list in dataset order. ``folder``: where it lives; ``manifest``: what it must hold."""
-
-    def __init__(self, data: Any, samples: list[tuple[str, int]], classes: list[str]):
-        root = str(Path(data.root).resolve())
-        settings = settings_of(data)
-        key = _digest({"root": root, "settings": settings})[:16]
-        base = Path(data.cache_dir) if data.cache_dir else cache_root() / "pixels"
-        self.folder = base / f"{Path(root).name or 'root'}-{key}"
-        self.crop = settings["crop_size"]
-        files, mtimes = file_list(samples, root)
-        # mtimes are not part of files_digest: a copied tree (new mtimes, same bytes) is the same data, said by
-        # the bytes' digests (check_contents), after which the manifest takes the new mtimes
-        self.manifest = {"settings": settings, "settings_digest": _digest(settings), "root": root, "classes": classes,
-                         "num_samples": len(files), "shape": [3, self.crop, self.crop], "dtype": "uint8",
-                         "files_digest": _digest(files), "files": files, "mtimes": mtimes}
+    def __init__(self, folder: Path, manifest: dict, source_bytes: Callable[[int], Iterator[tuple[int, bytes]]]):
+        self.folder, self.manifest, self.source_bytes = folder, manifest, source_bytes
+        self.shape = tuple(int(v) for v in manifest["shape"])
 
     @property
     def parts_dir(self) -> Path:
@@ -150,7 +169,8 @@ class PixelCache:
             changed = [p for p in new if old[p] != new[p]]
             if changed:
                 p = changed[0]
-                return f"file {p}: class/size {old[p][1:]} in the cache, {new[p][1:]} now ({len(changed)} files differ)"
+                what = "class/size" if want.get("unit", "file") == "file" else "samples/size"
+                return f"file {p}: {what} {old[p][1:]} in the cache, {new[p][1:]} now ({len(changed)} files differ)"
             return "the file list's order differs"
         return None
 
@@ -167,7 +187,8 @@ class PixelCache:
             return 0
         have = json.loads(path.read_text())
         old, new = have.get("mtimes") or [], self.manifest["mtimes"]
-        todo = [i for i in range(n) if everything or i >= len(old) or old[i] != new[i]]
+        m = min(n, len(new)) if self.manifest.get("unit", "file") == "file" else len(new)
+        todo = [i for i in range(m) if everything or i >= len(old) or old[i] != new[i]]
         if not todo:
             return 0
         import xxhash
@@ -176,19 +197,20 @@ class PixelCache:
         for p in parts:
             for j, h in enumerate(p.meta.get("sources") or []):
                 sources[p.start + j] = h
-        root, files, read = Path(self.manifest["root"]), self.manifest["files"], 0
+        files, read = self.manifest["files"], 0
         for i in todo:
-            want = sources.get(i)
-            if want is None:
-                continue
-            got = xxhash.xxh3_64((root / files[i][0]).read_bytes()).hexdigest()
+            for pos, data in self.source_bytes(i):
+                want = sources.get(pos)
+                if want is None:
+                    continue
+                got = xxhash.xxh3_64(data).hexdigest()
+                if got != want:
+                    raise ConfigError("data.cache", f"the pixel cache {self.folder} was built from other bytes of file "
+                                      f"{files[i][0]} (sample {pos}): xxh3-64 {want} when it was built, {got} now "
+                                      "(same size, changed content). Delete that folder or run with data.cache=rebuild")
             read += 1
-            if got != want:
-                raise ConfigError("data.cache", f"the pixel cache {self.folder} was built from other bytes of file "
-                                  f"{files[i][0]} (sample {i}): xxh3-64 {want} when it was built, {got} now (same "
-                                  "size, changed content). Delete that folder or run with data.cache=rebuild")
         mtimes = list(old) + new[len(old):]
-        mtimes[:n] = new[:n]  # only the files just compared (or unchanged) take their new mtime
+        mtimes[:m] = new[:m]  # only the files just compared (or unchanged) take their new mtime
         _write_atomic(path, json.dumps(dict(have, mtimes=mtimes)).encode())
         return read
 
@@ -269,7 +291,7 @@ class PartWriter:
         os.close(fd)
         self.tmp = Path(tmp)
         self.rows = np.lib.format.open_memmap(self.tmp, mode="w+", dtype=np.uint8,
-                                              shape=(self.end - self.start, 3, cache.crop, cache.crop))
+                                              shape=(self.end - self.start, *cache.shape))
         self.written = np.zeros(self.end - self.start, dtype=bool)
         self.source_digests: torch.Tensor | None = None  # int64 [N] shared with the loader workers (PixelFolder)
 
@@ -310,17 +332,25 @@ class PartWriter:
         del self.rows
         name = f"{self.start}-{self.end}"
         npy, rec = self.cache.parts_dir / f"{name}.npy", self.cache.parts_dir / f"{name}.json"
-        sources = None
-        if self.source_digests is not None:
-            sources = [format(int(v) + (1 << 63), "016x") for v in self.source_digests[self.start:self.end].tolist()]
         meta = {"start": self.start, "end": self.end, "block_rows": BLOCK, "block_digests": blocks,
-                "sources": sources, "settings_digest": self.cache.manifest["settings_digest"],
-                "files_digest": self.cache.manifest["files_digest"], "built": {**self.who, "time": time.time()}}
+                "sources": self.sources(), "settings_digest": self.cache.manifest["settings_digest"],
+                "files_digest": self.cache.manifest["files_digest"], "built": {**self.who, "time": time.time()},
+                **self.extra_meta()}
         with open(self.tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(self.tmp, npy)
         _write_atomic(rec, json.dumps(meta).encode())
         return Part(self.start, self.end, npy, meta)
+
+    def sources(self) -> list[str] | None:
+        """The xxh3-64 hex digests of the bytes rows [start, end) were decoded from (None: not recorded)."""
+        if self.source_digests is None:
+            return None
+        return [format(int(v) + (1 << 63), "016x") for v in self.source_digests[self.start:self.end].tolist()]
+
+    def extra_meta(self) -> dict:
+        """More fields for the part's record (a stream's targets and skipped samples)."""
+        return {}
 
     def discard(self) -> None:
         with contextlib.suppress(AttributeError):
@@ -342,8 +372,9 @@ class CachedPixels:
         self.cache, self.n = cache, n
         m = cache.manifest
         self.classes = m["classes"]
-        self.samples = [(str(Path(m["root"]) / p), c) for p, c, _ in m["files"]]
-        self.targets = torch.tensor([c for _, c, _ in m["files"]], dtype=torch.int64)
+        if m.get("unit", "file") == "file":  # imagefolder: one file per sample (a stream's targets: stream_cache)
+            self.samples = [(str(Path(m["root"]) / p), c) for p, c, _ in m["files"]]
+            self.targets = torch.tensor([c for _, c, _ in m["files"]], dtype=torch.int64)
         self.parts = parts
         self.starts = np.array([p.start for p in parts])
         self._arrays: dict[int, np.ndarray] = {}
@@ -356,7 +387,7 @@ class CachedPixels:
         arr = self._arrays.get(k)
         if arr is None:
             p = self.parts[k]
-            want = (p.end - p.start, 3, self.cache.crop, self.cache.crop)
+            want = (p.end - p.start, *self.cache.shape)
             try:
                 arr = np.load(p.npy, mmap_mode="r")
             except (OSError, ValueError) as exc:
@@ -419,116 +450,7 @@ class CachedPixels:
         return x, self.targets.index_select(0, idx), idx
 
 
-@contextlib.contextmanager
-def build_lock(cache: PixelCache, say: Callable[[str], None], wait_s: float = 24 * 3600.0) -> Iterator[bool]:
-    """The driver's exclusive right to build ``cache`` for the length of its run: ``flock`` on build.lock (the
-    kernel drops it when the process ends, however it ends). Another job's driver that finds it held says whose
-    it is and waits (up to ``wait_s``) before its ranks start, then finds the cache complete and reads it: two
-    jobs never both build. Yields True when this driver holds the lock."""
-    cache.folder.mkdir(parents=True, exist_ok=True)
-    path = cache.folder / "build.lock"
-    f = open(path, "a+")
-    try:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            owner = f.read().strip() or "another job"
-            say(f"pixel cache {cache.folder} is being built by {owner}: waiting for it")
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ConfigError("data.cache", f"the pixel cache {cache.folder} was still being built by "
-                                          f"{owner} after {wait_s:.0f} s") from None
-                    time.sleep(0.5)
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        f.flush()
-        yield True
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
-
-
-def pixel_dataset(data: Any) -> Any:
-    """The uint8 pixel dataset of imagefolder ``data``: ``CachedPixels`` when ``data.cache=pixels`` and the
-    cache covers the samples, else a ``PixelFolder`` (decoding the files) which, with ``data.cache`` set,
-    builds the cache as it goes (``PixelFolder.host_tap`` -> ``PartWriter``). Raises ConfigError (bad keys,
-    a cache of other data) or DataError (a damaged part)."""
-    from disteval.data.pixels import PixelFolder
-
-    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(data.decode))
-    mode = str(data.cache)
-    if mode == "none":
-        return folder
-    cache = PixelCache(data, folder.samples, folder.classes)
-    n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
-    if cache.complete(n):
-        cache.check_contents(n)  # the files whose mtime changed (the driver's preflight already compared them)
-        return CachedPixels(cache, n)
-    cache.ensure_manifest()
-
-    def writer(dataset: Any, start: int, end: int) -> PartWriter | None:
-        if start >= end or (cache.parts_dir / f"{start}-{end}.json").exists() or cache.complete(n):
-            return None
-        w = PartWriter(cache, start, end, {"pid": os.getpid(), "host": socket.gethostname(),
-                                           "rank": int(os.environ.get("RANK", 0)),
-                                           "world_size": int(os.environ.get("WORLD_SIZE", 1))})
-        w.source_digests = dataset.source_digests
-        return w
-
-    folder.cache_writer = writer
-    return folder
-
-
-def _cache_of(data: Any) -> tuple[PixelCache, int]:
-    from disteval.data.pixels import PixelFolder
-
-    folder = PixelFolder(data.root, data.resize_size, data.crop_size, str(data.decode))
-    n = len(folder) if data.limit is None else min(len(folder), int(data.limit))
-    return PixelCache(data, folder.samples, folder.classes), n
-
-
-def preflight_cache(data: Any) -> str | None:
-    """Driver-side, before any rank starts, for imagefolder ``data`` with ``data.cache`` set: a line saying what
-    the run will do with the cache (read it, or build it), None without a cache. Raises ConfigError naming
-    data.cache when the folder holds a cache of other data or another transform (``data.cache=rebuild``
-    discards it instead, under the build lock)."""
-    if str(data.cache) == "none" or data.name != "imagefolder":
-        return None
-    cache, n = _cache_of(data)
-    if str(data.cache) == "rebuild":
-        return f"data.cache=rebuild: the pixel cache {cache.folder} is discarded and built again by this run"
-    cache.ensure_manifest()
-    if cache.complete(n):
-        read = cache.check_contents(n, everything=str(data.cache_verify) == "content")
-        checked = f" ({read} files' bytes compared with the digests recorded at build)" if read else ""
-        return f"data.cache=pixels: reading the pixels of {n} images from {cache.folder}{checked}"
-    return (f"data.cache=pixels: this run decodes the {n} images and builds the pixel cache {cache.folder} "
-            "as it goes; later runs of the same files and transform read it")
-
-
-@contextlib.contextmanager
-def driver_build_lock(data: Any, say: Callable[[str], None]) -> Iterator[None]:
-    """Around the driver's launch: with ``data.cache`` set and the cache incomplete (or ``rebuild``), hold its
-    ``build_lock`` for the run (waiting for another job that builds it); ``rebuild`` clears the old parts once the
-    lock is held. A no-op otherwise."""
-    mode = str(data.cache)
-    if mode == "none" or data.name != "imagefolder":
-        yield
-        return
-    cache, n = _cache_of(data)
-    if mode == "pixels" and cache.complete(n):
-        yield
-        return
-    with build_lock(cache, say):
-        if mode == "rebuild":
-            cache.clear()
-            cache.ensure_manifest()
-        yield
+def builder() -> dict:
+    """Who builds a part (its record's ``built``): pid, host, rank, world size."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
+            "world_size": int(os.environ.get("WORLD_SIZE", 1))}

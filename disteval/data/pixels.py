@@ -136,7 +136,7 @@ class PixelFolder:
         # xxh3-64 of each file's bytes as read (int64 view), in shared memory: the workers fill it, a pixel cache
         # being built records its sources' digests from it (disteval.data.pixel_cache.PartWriter)
         self.source_digests = torch.zeros(len(self.samples), dtype=torch.int64).share_memory_()
-        self.cache_writer: Any = None  # set by pixel_cache.pixel_dataset when this run builds the cache
+        self.cache_writer: Any = None  # set by pixel_source.pixel_dataset when this run builds the cache
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from disteval.data.cache import cache_root
 from disteval.data.index import ShardInfo, build_index, expand_urls, load_index, write_index
+from disteval.data.stream_cache import CachedStream, attach_cache
 from disteval.data.stream_plan import plan_rank, rank_bounds, shard_starts
 from disteval.data.wds_stream import SampleFormat, ShardStream, read_range, sample_name
 from disteval.errors import ConfigError, DataError
@@ -30,6 +32,8 @@ class StreamSource:
         self.shards, self.fmt = list(shards), fmt
         self.counts = [s.num_samples for s in self.shards]
         self.starts = shard_starts(self.counts)
+        self.pixels: Any = None  # the pixel cache's reader when it is complete (disteval.data.stream_cache)
+        self.cache_writer: Any = None  # (start, end) -> a part writer when this run builds the cache
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -43,7 +47,14 @@ class StreamSource:
         """The rank's IterableDataset (one plan per loader worker); ``done``: the rank's samples already
         evaluated (resume)."""
         plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done)
-        return ShardStream(self.shards, plans, batch_size, self.fmt)
+        if self.pixels is not None:
+            return CachedStream(self, plans, batch_size, self.pixels)
+        fmt = replace(self.fmt, source_digests=True) if self.cache_writer is not None else self.fmt
+        return ShardStream(self.shards, plans, batch_size, fmt)
+
+    def host_tap(self, start: int, end: int) -> Any:
+        """The pixel cache's writer of positions ``[start, end)`` when this run builds the cache, else None."""
+        return self.cache_writer(start, end) if self.cache_writer is not None else None
 
     def sample_name(self, position: int) -> tuple[str, str]:
         """``(shard url, key)`` of a global position."""
@@ -117,8 +128,17 @@ def ensure_index(data: Any, out=None) -> str:
 
 
 def stream_source(data: Any) -> StreamSource:
-    """In a rank: the validated index (``data.index`` or the driver's cached one) and the sample format.
+    """In a rank: the validated index (``data.index`` or the driver's cached one) and the sample format, with
+    the pixel cache attached when ``data.cache`` is set (``disteval.data.stream_cache.attach_cache``).
     Raises ConfigError / DataError (a stale or missing index names the shard and how to rebuild)."""
+    source = plain_source(data)
+    if str(getattr(data, "cache", "none")) != "none":
+        attach_cache(source, data)
+    return source
+
+
+def plain_source(data: Any) -> StreamSource:
+    """``stream_source`` without the pixel cache."""
     urls = _urls(data)
     path = str(data.index) if data.index is not None else str(default_index_path(urls))
     if data.index is None and not Path(path).is_file():

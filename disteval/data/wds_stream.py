@@ -191,6 +191,7 @@ class StreamBatch(NamedTuple):
     skipped: torch.Tensor
     worker: int
     batch: int
+    digests: Any = None  # int64 [b]: xxh3-64 of each sample's image bytes (a pixel cache being built), else None
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,14 @@ class SampleFormat:
     transform: decoded image -> input tensor; None means ``to_float_chw`` (float32 [C, H, W] in [0, 1]).
     target_field: ``cls`` (int class index) or ``txt`` (str caption, image-text pairs).
     on_decode_error: ``raise`` (DataError naming shard, key and field) or ``skip`` (counted in ``skipped``).
+    source_digests: batches carry the xxh3-64 of each sample's image bytes (``StreamBatch.digests``).
     Raises ValueError for an unknown target field or policy.
     """
     image_mode: str = "rgb8"
     transform: Callable[[Any], torch.Tensor] | None = None
     target_field: str = "cls"
     on_decode_error: str = "raise"
+    source_digests: bool = False
 
     def __post_init__(self):
         if self.on_decode_error not in DECODE_ERRORS:
@@ -268,43 +271,61 @@ class ShardStream(IterableDataset):
             target = bytes(target).decode("utf-8")
         return self.transform(sample[image_field]), target
 
+    def items(self, plan: ConsumerPlan) -> Iterator[tuple[int, tuple | None]]:
+        """``(position, (input, target, (url, key), digest or None))`` of each sample of ``plan`` in order, or
+        ``(position, None)`` for one skipped by ``on_decode_error=skip``."""
+        decoder = self._decoder()
+        digests = self.fmt.source_digests
+        for rng in plan.ranges:
+            for i, raw in enumerate(read_range(self.shards[rng.shard], rng, self.bytes_read)):
+                pos = rng.position + i
+                try:
+                    x, y = self._item(decoder, raw)
+                except DataError:
+                    if self.on_decode_error == "raise":
+                        raise
+                    yield pos, None
+                    continue
+                digest = None
+                if digests:
+                    import xxhash
+
+                    field = next(f for f in IMAGE_FIELDS if f in raw)
+                    digest = xxhash.xxh3_64_intdigest(raw[field]) - (1 << 63)
+                yield pos, (x, y, (raw["__url__"], raw["__key__"]), digest)
+
     def iter_worker(self, worker: int) -> Iterator[StreamBatch]:
         """The batches of consumer ``worker`` of this rank (callable without a DataLoader: tests simulate
         every (rank, worker) consumer in one process this way)."""
         plan = self.plans[worker]
-        decoder = self._decoder()
         b, aligned, origin = self.batch_size, plan.batch_size is not None, plan.start
-        pending: list[tuple[int, Any, Any, tuple[str, str]]] = []  # (position, input, target, (url, key))
+        pending: list[tuple[int, Any, Any, tuple[str, str], Any]] = []  # (position, input, target, (url, key), digest)
         skipped: list[int] = []
         current = None  # the batch index of ``pending`` / ``skipped``
 
         def emit():
             nonlocal pending, skipped
             where = f"global batch {current}" if aligned else f"the batch from sample position {current}"
-            out = StreamBatch(stack_inputs([x for _, x, _, _ in pending], [n for *_, n in pending], where)
+            digests = [d for *_, d in pending]
+            out = StreamBatch(stack_inputs([x for _, x, *_ in pending], [n for *_, n, _ in pending], where)
                               if pending else None,
-                              (torch.tensor([y for _, _, y, _ in pending], dtype=torch.int64)
-                               if self.target_field == "cls" else [y for _, _, y, _ in pending]),
+                              (torch.tensor([y for _, _, y, *_ in pending], dtype=torch.int64)
+                               if self.target_field == "cls" else [y for _, _, y, *_ in pending]),
                               torch.tensor([p for p, *_ in pending], dtype=torch.int64),
-                              torch.tensor(skipped, dtype=torch.int64), worker, current)
+                              torch.tensor(skipped, dtype=torch.int64), worker, current,
+                              torch.tensor(digests, dtype=torch.int64) if pending and digests[0] is not None else None)
             pending, skipped = [], []
             return out
 
-        for rng in plan.ranges:
-            for i, raw in enumerate(read_range(self.shards[rng.shard], rng, self.bytes_read)):
-                pos = rng.position + i
-                batch = pos // b if aligned else origin + (pos - origin) // b * b
-                if batch != current:
-                    if pending or skipped:
-                        yield emit()
-                    current = batch
-                try:
-                    x, y = self._item(decoder, raw)
-                except DataError:
-                    if self.on_decode_error == "raise":
-                        raise
-                    skipped.append(pos)
-                    continue
-                pending.append((pos, x, y, (raw["__url__"], raw["__key__"])))
+        for pos, item in self.items(plan):
+            batch = pos // b if aligned else origin + (pos - origin) // b * b
+            if batch != current:
+                if pending or skipped:
+                    yield emit()
+                current = batch
+            if item is None:
+                skipped.append(pos)
+            else:
+                pending.append((pos, *item))
         if pending or skipped:
             yield emit()

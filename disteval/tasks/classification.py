@@ -11,7 +11,7 @@ from disteval.data.datasets import (build_dataset, check_data_root, dataset_num_
 from disteval.data.prediction_columns import classification_schema
 from disteval.data.prediction_store import classification_columns, load_store, read_manifest
 from disteval.data.device_decode import DeviceDecoder, EncodedImages, collate_encoded
-from disteval.data.pixel_cache import preflight_cache
+from disteval.data.pixel_source import preflight_cache
 from disteval.data.pixels import PixelNormalizer
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
