@@ -239,7 +239,7 @@ def main() -> int:
                       f"{row['images_per_s']:,.0f}",
                       f"{row['process_images_per_s'][0]:,.0f}..{row['process_images_per_s'][1]:,.0f}",
                       f"{row['speed_vs_system']:.2f}x" if row["speed_vs_system"] is not None else "-")
-    for policy, why in skipped.items():
+    for policy in skipped:
         table.add_row(policy, "skipped", "-", "-", "-", "-", "-")
     console.print(table)
     for policy, why in skipped.items():

@@ -89,7 +89,7 @@ def run_job(workdir: Path, tag: str, world_size: int, overrides: list[str], expe
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise RunFailed(f"{' '.join(cmd)}\ntimed out after {timeout:.0f} s\n--- stderr tail ---\n{_tail(stderr)}")
+        raise RunFailed(f"{' '.join(cmd)}\ntimed out after {timeout:.0f} s\n--- stderr tail ---\n{_tail(stderr)}") from None
     wall = time.perf_counter() - t0
     results_path = run_dir / "results.json"
     problem = None

@@ -19,7 +19,8 @@ Checked (exit 1 naming the mismatch, never on a time): every run completes; the 
 homogeneous runs and two in the unpinned mixed run; the pinned run's canary agrees with every rank on DEFAULT; a
 run without the canary gives metrics == the same run with it.
 
-``--smoke``: one repeat on Fashion-MNIST's first 2,000 test images, without the runs that leave the canary out (its cost is not measured; about half a minute). Needs Fashion-MNIST (apt-get install dataset-fashion-mnist).
+``--smoke``: one repeat on Fashion-MNIST's first 2,000 test images, without the runs that leave the canary out (its
+cost is not measured; about half a minute). Needs Fashion-MNIST (apt-get install dataset-fashion-mnist).
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ job runs as 2 nodes x 2 ranks through disteval's multi-node launcher, with node 
 Printed per (job, rate, compression): the bytes the ranks' comm layers sent (all ranks, status.json ``comm``),
 the compressible payloads' bytes before/after (results.json ``comm.compression``), rank 0's sync seconds
 (results.json ``timings.sync``), rank 0's seconds in collectives over the whole run (``comm.seconds_by_op``: for
-kNN the sharded search's exchanges after the loop, which the sync does not include) and the metric change against compression off: exactly zero for everything but a
+kNN the sharded search's exchanges after the loop, which the sync does not include) and the metric change against
+compression off: exactly zero for everything but a
 compressed float payload's metrics, whose largest change is printed next to the error results.json measured.
 Then, at the slowest rate, the ratios off/on of the compressible payload's bytes and of the sync time.
 

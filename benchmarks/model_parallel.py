@@ -10,7 +10,8 @@ shards over the data-parallel ranks, planned dummy steps, TP check, one sync ove
 images/s of the whole group (N / slowest rank's loop time, median over ``--repeats`` rounds, layouts
 alternating in each round), parameter bytes resident per rank (its local shards), and the peak resident memory
 (VmHWM, reset through /proc/self/clear_refs) added while building the layout and running its first pass, per
-rank (max over ranks; after one unmeasured warm-up pass, so that lazy imports are not counted); ratios against dp=4 measured in the same run. On CPU the collectives of FSDP and TP run
+rank (max over ranks; after one unmeasured warm-up pass, so that lazy imports are not counted); ratios against dp=4
+measured in the same run. On CPU the collectives of FSDP and TP run
 over loopback TCP and the ranks share the machine's cores: the ratios show what the layouts cost here, not on
 GPUs with NVLink (docs/model-parallel.md has the paper estimate for ViT-G/14 on 8 x H200).
 

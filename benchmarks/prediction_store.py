@@ -6,7 +6,8 @@ stored, in one run.
 Each measurement is a real ``python -m disteval`` run (``eval.save_predictions=true``, ``eval.predictions.logits``).
 Printed per setting: the store's own seconds (results.json ``predictions.seconds``: the slowest rank's time
 converting its batches and writing its file; importing pyarrow, about 35 ms once per process, is reported apart as
-``predictions.import_seconds``) and their share of the evaluation, the median evaluation seconds (results.json ``timings.evaluation_s``: bootstrap, load,
+``predictions.import_seconds``) and their share of the evaluation, the median evaluation seconds (results.json
+``timings.evaluation_s``: bootstrap, load,
 forward with the per-batch conversion, the Parquet write after the loop, sync), the forward seconds, the store's
 bytes on disk, and the ratio of the evaluation to the run without the store. Target (issue 28): the store
 costs < 3 % of the evaluation with top-5 stored. Checked (exit 1 naming the mismatch, never on a time): every run completes,

@@ -4,7 +4,8 @@
                                       [--classes 21] [--device cpu] [--model NAME] [--smoke]
 
 One process, one model: a randomly initialised torchvision segmentation model (``--model``, default
-``lraspp_mobilenet_v3_large``, the lightest forward, so the hardest ratio; ``--classes`` outputs) on generated ``--size`` x ``--size`` images in ``--batches`` batches of ``--batch-size`` (labels: random
+``lraspp_mobilenet_v3_large``, the lightest forward, so the hardest ratio; ``--classes`` outputs) on generated
+``--size`` x ``--size`` images in ``--batches`` batches of ``--batch-size`` (labels: random
 classes with 5 % of pixels at 255, ignored), ``--threads`` intra-op threads. Per batch, timed separately and
 interleaved, each on the very same logits:
 

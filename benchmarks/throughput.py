@@ -7,7 +7,8 @@ gathers predictions per batch (accelerate's gather_for_metrics).
 
 On a GPU (``--device cuda``, see scripts/gpu_check.sh): ``--model resnet50`` or ``vit_b_16`` (torchvision,
 random weights: no download) on ``--data-root`` (an ImageFolder tree, e.g. symlinks to the shipped ImageNet
-sample images, as scripts/gpu_check.sh makes), in ``--dtype bf16``; every method runs on the same device under the same autocast, its batches already on the device for bare,
+sample images, as scripts/gpu_check.sh makes), in ``--dtype bf16``; every method runs on the same device under the
+same autocast, its batches already on the device for bare,
 torchmetrics and gather (disteval loads them through its own loader and device feed, as a user's run does).
 
 Same job for all three methods: the shipped Fashion-MNIST CNN (``+experiment=fashion_mnist``: ``model=fashion_cnn``,
@@ -472,7 +473,8 @@ def main() -> int:
         experiment = "imagenet_vit"
         overrides += [f"model.name={args.model}", "model.weights=null", f"data.root={args.data_root}",
                       f"data.num_workers={args.num_workers}"]
-    console.print(f"{args.model or 'fashion-mnist CNN'} on {args.device} ({args.dtype}), {n:,} images, batch {b}, {args.threads} thread(s) per rank, world sizes "
+    console.print(f"{args.model or 'fashion-mnist CNN'} on {args.device} ({args.dtype}), {n:,} images, batch {b}, "
+                  f"{args.threads} thread(s) per rank, world sizes "
                   f"{args.world_sizes}, {args.rounds} round(s) x {args.repeats} pass(es) + 1 warm-up each per child, "
                   f"{os.cpu_count()} cores; allocator: requested {alloc['requested']!r} -> {alloc['name']} "
                   f"(env {alloc['env'] or '{}'})", highlight=False)

@@ -22,7 +22,8 @@ included, to results.json written, null when unknown), throughput {images_per_s 
 the first batch of each rank, which compiles, is left out), warmup_s (that first batch, slowest rank; null
 without eval.compile)}, comm {collectives, bytes, by_op, chunked, compression, compression_mode, backend,
 profile}, precision {model_dtype, tf32, deterministic, cudnn_benchmark}, compute {mode, threads,
-deterministic, cudnn_benchmark, tf32, model_dtype, channels_last, compile, compile_mode, inference_mode}, device, versions, config_digest, created; plus sampler, exact, trials,
+deterministic, cudnn_benchmark, tf32, model_dtype, channels_last, compile, compile_mode, inference_mode}, device,
+versions, config_digest, created; plus sampler, exact, trials,
 outliers, exclusion, allocator {requested, applied, in_force, library, glibc_tunables, malloc_conf, ranks_agree,
 per_rank when the ranks differ} (``disteval.common.allocator.summarize``); under a device mesh (``dist.parallel``)
 parallel {dp_replicate, dp_shard, tp, dp_size, mesh_dim_names, batches_per_dp_rank, dummy_steps_per_dp_rank,
@@ -570,7 +571,8 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
     """Assemble the results.json record (see module docstring).
 
     ``run``: facts of the run: run_dir, world_size, num_samples, dataset (task's extra dataset fields, e.g.
-    num_classes), task {name, class}, model_class (the evaluated module's class name, None for replays), coverage (CoverageReport), comm (Communicator.stats()), backend, device, timings
+    num_classes), task {name, class}, model_class (the evaluated module's class name, None for replays), coverage
+    (CoverageReport), comm (Communicator.stats()), backend, device, timings
     {load, total}, compute {mode, threads, deterministic, cudnn_benchmark}. ``rows``: every rank's row as
     synchronised. ``extra`` adds top-level fields (sampler, exact, trials, outliers, exclusion).
     Float NaN/inf become null."""

@@ -136,7 +136,8 @@ def _print_robustness(console: Console, results: dict) -> None:
     """Trials (mean ± std, median / MAD, sigma-clipped mean), outlier ranks, excluded samples, inexact sampler."""
     trials = results.get("trials")
     if trials:
-        table = Table(title=f"{trials['k']} trials ({'identical' if trials['agree'] else 'disagree: ' + trials['aggregate'] + ' reported'})")
+        agree = "identical" if trials["agree"] else f"disagree: {trials['aggregate']} reported"
+        table = Table(title=f"{trials['k']} trials ({agree})")
         for col in ("metric", "mean ± std", "median (MAD)", "sigma-clipped mean (dropped)", "spread"):
             table.add_column(col, justify="right")
         for name, st in trials["stats"].items():
@@ -175,7 +176,8 @@ def print_intervals(ci: dict | None, console: Console | None = None, label: str 
         return
     console = console or Console()
     parts = [f"{k} [{v['low']:.4f}, {v['high']:.4f}]" for k, v in ci.items() if isinstance(v, dict)]
-    console.print(f"{label + ': ' if label else ''}{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} {ci.get('unit', 'samples')} ({ci['resamples']} "
+    console.print(f"{label + ': ' if label else ''}{ci['level']:.0%} bootstrap intervals over the {ci['samples']:,} "
+                  f"{ci.get('unit', 'samples')} ({ci['resamples']} "
                   f"resamples, seed {ci['seed']}): " + ", ".join(parts), soft_wrap=True, highlight=False)
 
 

@@ -2,10 +2,12 @@
 
 STORE is a run directory written with ``eval.save_predictions=true eval.predictions.logits=true`` (or its
 ``predictions/`` folder). A detection store (boxes) re-scores through the COCO replay against the annotation file
-it was written with (``data.annotations=...`` to name it where it moved; its sha256 must match). The store is evaluated as a normal run of ``python -m disteval`` (ranks, shards,
+it was written with (``data.annotations=...`` to name it where it moved; its sha256 must match). The store is
+evaluated as a normal run of ``python -m disteval`` (ranks, shards,
 synchronisation, results.json in its own run directory) with ``data=predictions`` and an identity model, batched
 as the run that wrote it (``data.batch_size`` and ``eval.mode`` from the manifest, and by default its metric families
-and top-k): in bitwise mode its metrics are the writer's bits at any world size. OVERRIDES are the job's (``eval.metrics=[classification,ranking]``,
+and top-k): in bitwise mode its metrics are the writer's bits at any world size. OVERRIDES are the job's
+(``eval.metrics=[classification,ranking]``,
 ``dist.world_size=3``, ``hydra.run.dir=...``); overrides that name data (``+experiment=...``, ``data=...``,
 ``data.*``) state which data the predictions must be of: the store's manifest must match them (name, split,
 preprocessing), else exit 2 naming the difference. Exit codes are ``python -m disteval``'s.

@@ -42,8 +42,9 @@ RECORDS = ("results.json", "launch.json", "job.json", "ranks", ".hydra", "distev
            ".disteval-reserve", "predictions", "checkpoints", "report.html", "metrics.csv")
 # what a claim from inside the job function may move: Hydra has written this job's .hydra/ and log by then
 JOB_RECORDS = tuple(r for r in RECORDS if r not in (".hydra", "disteval.log"))
-# under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/
-SHARED_RECORDS = ("results.json", "predictions", "checkpoints", "report.html", "metrics.csv")  # rank 0 moves them before any rank writes one
+# under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/;
+# rank 0 moves these before any rank writes one
+SHARED_RECORDS = ("results.json", "predictions", "checkpoints", "report.html", "metrics.csv")
 
 GRACE_S = 2.0  # how long a claim waits out a probe of the lock, and a probe a holder still writing its record
 _held: dict[str, int] = {}  # resolved run dir -> fd holding its flock (this process)

@@ -1,6 +1,7 @@
 """The end of a multirun: one row per job (world size, status, main metric, the job's wall time, the
 evaluation's time, forward-only throughput) from the jobs' results.json / launch.json / status records,
-written as SWEEP_DIR/summary.csv, summary.png (matplotlib) and report.html (``disteval.htmlreport``) and printed as a table. A metric that differs
+written as SWEEP_DIR/summary.csv, summary.png (matplotlib) and report.html (``disteval.htmlreport``) and printed as a
+table. A metric that differs
 across world sizes is flagged: for an exact evaluation it must not.
 
 The three times measure different things, and more ranks can raise one while the others get worse:

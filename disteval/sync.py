@@ -10,7 +10,8 @@ One synchronisation per run (per trial), whatever the number of batches:
 3. one all_gather of the padded int64 payload: this rank's per-rank row (named fields, JSON bytes), its
    sample-id runs and its float tree nodes (bit-cast, no pickle).
 
-States declared ``local`` (a rank's embedding shard) are never moved. By payload kind (``SyncPolicy``): each gather-state adds one metadata all_gather and one variable-size gather
+States declared ``local`` (a rank's embedding shard) are never moved. By payload kind (``SyncPolicy``): each
+gather-state adds one metadata all_gather and one variable-size gather
 (to rank 0 only for states declared ``root``) compressed as the policy says; each sliceable sum-state above
 ``reduce_scatter_min_bytes`` leaves the all_reduce for two reduce_scatters and one all_gather.
 """
@@ -195,7 +196,7 @@ def check_tp_peers(state: Evaluator, comm: Communicator, peers: list[int]) -> di
     states = _digest([local["states"][k] for k in sorted(local["states"])] + [local["tree_where"], local["tree_values"]])
     mine = torch.tensor([[ids, states]], dtype=torch.int64)
     rows = [p.reshape(-1).tolist() for p in comm.all_gather_sized(mine, [1] * comm.world_size)]
-    for col, what in ((0, "sample ids"), (1, "metric states")):
+    for col in (0, 1):  # the sample ids, the metric states
         if len({r[col] for r in rows}) > 1:
             by_rank = ", ".join(f"rank {peers[i]}: {r[col]:016x}" for i, r in enumerate(rows))
             if col == 0:

@@ -8,7 +8,8 @@ waiting rank keeps doing and a stopped or dead one does not. The same thread
 
 - watches its peers' heartbeats (rank 0 watches every rank, the others watch rank 0, so every stall is seen
   by some live rank with W reads per beat at most): a peer whose heartbeat has not changed for
-  ``dist.heartbeat_timeout_s`` seconds (``disteval.common.liveness``) (measured on this rank's own monotonic clock, so clocks of other hosts do not
+  ``dist.heartbeat_timeout_s`` seconds (``disteval.common.liveness``) (measured on this rank's own monotonic clock,
+  so clocks of other hosts do not
   matter) is the culprit of a stall. This rank records a ``PeerFailedError`` that ``blames`` it, with the
   evidence (its phase, the collective it was in, how stale), and exits, so that the launcher stops the run
   within about one timeout instead of the final synchronisation's longer one;
@@ -55,7 +56,8 @@ class Watchdog:
     StatusWriter (it may be replaced when external launchers agree on a run directory); ``run_dir``: a callable
     returning the current run directory; ``rank``/``world_size``; ``timeout_s`` (seconds without a heartbeat
     that make a peer stalled); ``beat_s`` (seconds between beats); ``parent_pid``: the launcher's pid to watch
-    (None: none); ``timeout_key``: the config key that set ``timeout_s``, named in the error. ``on_fatal(exc)`` records the error and ends the process (default: ``status().fail`` then
+    (None: none); ``timeout_key``: the config key that set ``timeout_s``, named in the error. ``on_fatal(exc)``
+    records the error and ends the process (default: ``status().fail`` then
     ``os._exit(1)``)."""
 
     def __init__(self, status: Callable[[], StatusWriter], run_dir: Callable[[], str], rank: int, world_size: int,

@@ -127,7 +127,8 @@ def late_message(rank: int, record: dict, victim: int, peer_error: dict) -> str:
     limit = (f"{peer_error['timeout_key']} = {peer_error['timeout_s']:g} s" if peer_error.get("timeout_key")
              else "the collective timeout")
     op = peer_error.get("op") or "a collective"
-    return (f"rank {rank} was late: alive (its heartbeat was fresh) but still in {recorded_progress(record)} when rank {victim} gave up waiting for it in {op} after {limit}; "
+    return (f"rank {rank} was late: alive (its heartbeat was fresh) but still in {recorded_progress(record)} when rank "
+            f"{victim} gave up waiting for it in {op} after {limit}; "
             f"rank {victim}'s error: {peer_error['type']}: {str(peer_error['message'])[:200]}")
 
 

@@ -10,7 +10,8 @@ verdict = the injected truth, no results.json from a failed run, nothing of the 
 - ``net_partition_sync``: rank 0 held back at the synchronisation (a delay drill) while the others wait in its
   all_reduce, then n2 cut off silently: COMM/timeout naming the partition, culprit a rank of n2;
 - ``net_slow_link``: n2's link shaped to 1 Mbit/s while the Fashion-MNIST AUROC scores are gathered under a 1.5 s
-  sync timeout (400-600 kB through a rank's link: 3-5 s): COMM/timeout, "a slow link, not a dead peer", no culprit rank (the link is the cause);
+  sync timeout (400-600 kB through a rank's link: 3-5 s): COMM/timeout, "a slow link, not a dead peer", no culprit
+  rank (the link is the cause);
 - ``net_freeze_node``: every process of n2 SIGSTOPped mid-forward: COMM/timeout, "heartbeat stopped", culprit a
   rank of n2 (thawed once n1's driver ended);
 - ``net_kill_node``: every process of n2 SIGKILLed mid-forward: "node n2 died or was killed", culprit a rank of n2.
@@ -222,13 +223,13 @@ class NetDrills:
         except subprocess.TimeoutExpired:
             pass
         rnd.facts["n2_exit"] = procs["n2"].poll()  # None: n2's driver had not ended by itself
-        for n, p in procs.items():
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
         if any(left.values()):
             rnd.violate("timeout", f"processes of the run still alive {GONE_S:g} s after n1's driver ended: {left}")
-            for n, pids in left.items():
+            for pids in left.values():
                 for pid in pids:
                     try:
                         os.kill(pid, 9)

@@ -151,7 +151,8 @@ def pytest_collection_modifyitems(config, items):
 # of work, so a module's ranks started once by its fixture serve all of its cases on one worker. The tests of the
 # SLURM clusters and of the network lab are four units, one after another inside each: "slurm" (the machine's
 # cluster: one job's CPUs at a time), "netlab" (tests/test_netlab.py's lab), "netlab-side" (the network chaos and
-# the links benchmark, each with a lab of its own name) and "slurm-lab" (the lab with its own cluster). Labs of different names run side by side (their namespaces,
+# the links benchmark, each with a lab of its own name) and "slurm-lab" (the lab with its own cluster). Labs of
+# different names run side by side (their namespaces,
 # bridges and folders are their own; ``NetLab.start`` builds one at a time). The benchmark smokes are a unit each
 # (separate processes, no shared fixture). Units start longest first (``UNIT_SECONDS``): a long unit started last
 # would end alone.

@@ -20,7 +20,8 @@ BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if not p.name.
 # the start of each benchmark's table title (rich may wrap the rest); a new benchmark adds its own
 TABLES = {"allocator.py": "allocator policies", "checkpoints.py": "checkpoints in one job",
           "bitwise_mode.py": "throughput, fashion-mnist", "coco_eval.py": "COCOeval.stats",
-          "gather.py": "gathering float32 payloads", "heterogeneous.py": "the canary's cost", "knn.py": "sharded exact kNN", "prediction_store.py": "prediction store cost", "links.py": "links: compression",
+          "gather.py": "gathering float32 payloads", "heterogeneous.py": "the canary's cost", "knn.py": "sharded exact kNN",
+          "prediction_store.py": "prediction store cost", "links.py": "links: compression",
           "model_parallel.py": "model parallelism on CPU",
           "segmentation.py": "segmentation statistics per batch", "startup.py": "start-up phases",
           "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",

@@ -402,7 +402,7 @@ def test_a_misspelt_key_is_one_line_with_the_closest_key(tmp_path, override, sug
 
     proc = run_disteval(override, run_dir=tmp_path / "run")
     # beside the progress lines ("disteval: [T s] ..." or, in the test's process, "disteval: composing ...")
-    lines = [l for l in proc.stderr.splitlines() if "error" in l.lower() or "override" in l.lower()]
+    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower() or "override" in ln.lower()]
     key = override.lstrip("+").split("=")[0]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[0] == f"disteval: configuration error {key}: no such key; did you mean {suggested}?", lines

@@ -92,7 +92,7 @@ def test_reduce_scatter_rows_uneven_and_empty(outcome):
         base = torch.arange(shape[0] * shape[1], dtype=torch.int64).reshape(shape)
         total = sum(base * (r + 1) + r for r in range(W))
         blocks = []
-        for r, res in enumerate(outcome):
+        for res in outcome:
             got = res["reduce_scatter"][str(shape)]
             assert got["equal"]
             a, b = got["bounds"]

@@ -300,12 +300,12 @@ def test_killed_driver_from_records_without_driver_died_errors(tmp_path, killed_
     assert (code, v["check"], v["status"]) == (1, "launch", "fail") and "died" in v["finding"]
     # fresh by the record's own period (60 s: stale after 180 s), so a doctor slow to start on a busy machine
     # still reads it fresh (the default period's 10 s floor was once passed before the doctor read the record)
-    edit(run / "launch.json", lambda l: l.update(t_heartbeat=time.time(), heartbeat_s=60.0))
+    edit(run / "launch.json", lambda rec: rec.update(t_heartbeat=time.time(), heartbeat_s=60.0))
     code, report = doctor(run)
     v, remedy = entry(report)
     assert (code, v["check"], v["status"], remedy) == (1, "launch", "unknown", None)
     assert "fresh" in v["finding"]
-    edit(run / "launch.json", lambda l: (age(l), l.pop("heartbeat_s"), l.update(host="another-host.example")))
+    edit(run / "launch.json", lambda rec: (age(rec), rec.pop("heartbeat_s"), rec.update(host="another-host.example")))
     code, report = doctor(run)
     v, _ = entry(report)
     assert (code, v["check"], v["status"]) == (1, "launch", "unknown") and "another-host.example" in v["finding"]
@@ -399,7 +399,7 @@ def test_stopped_rank_in_forward_is_the_culprit_and_no_timeout_helps(tmp_path):
             "value": repr(s1["t_heartbeat"])} in v["evidence"]
     assert not any(o.startswith("communication.timeout_s") for o in remedy["overrides"])
     assert remedy["unset"] == ["DISTEVAL_FAULTS"]  # launch.json says it was a drill
-    edit(run / "launch.json", lambda l: l.update(faults=None))  # the same records without the drill
+    edit(run / "launch.json", lambda rec: rec.update(faults=None))  # the same records without the drill
     code, report = doctor(run)
     v, remedy = entry(report)
     assert (v["culprit_rank"], remedy["overrides"], remedy["changes_cause"]) == (1, [], False)

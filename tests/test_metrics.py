@@ -114,7 +114,7 @@ def test_classification_update_issues_no_host_sync():
     ``bool(t)``, ``if t``, ``nonzero``, boolean-mask indexing, ``bincount``, ``unique``) raises: an update
     that runs there issues no host synchronisation and creates no data-dependent shape (the CPU stand-in
     for ``torch.cuda.set_sync_debug_mode("error")``, which tests/test_gpu.py applies on a GPU)."""
-    with pytest.raises(Exception):  # the stand-in can fail: a data-dependent op raises on meta
+    with pytest.raises(Exception):  # noqa: B017 - the stand-in can fail: a data-dependent op raises on meta
         torch.zeros(3, device="meta").nonzero()
     from disteval.metrics.collection import MetricCollection
     from disteval.metrics.ranking import RankingMetrics

@@ -97,7 +97,7 @@ def test_sweep_with_a_controller_that_does_not_answer_submits_nothing(tmp_path, 
     assert code == 1 and all("does not answer" in r["verdict"]["finding"] for r in report["runs"])
 
 
-def test_submitit_launchers_run_the_local_preflight_before_submitting(tmp_path, imagenet_like):
+def test_submitit_launchers_run_the_local_preflight_before_submitting(tmp_path, imagenet_like):  # noqa: F811 - the fixture
     """A missing data root and ImageNet weights that cannot be fetched (offline) are refused on the submitting
     host, naming the key, exactly as the local launcher refuses them; nothing is submitted."""
     run = tmp_path / "no_root"

@@ -24,7 +24,8 @@ class StoreBoard:
     """One rank's view of every rank's status record in the rendezvous store.
 
     ``host``/``port``: the store (MASTER_ADDR/MASTER_PORT); ``rank``; ``timeout_s``: ``communication.timeout_s``,
-    the longest wait for the other ranks (one store operation may take a quarter of it, 2..10 s). Raises RuntimeError (torch's) when the store cannot be reached."""
+    the longest wait for the other ranks (one store operation may take a quarter of it, 2..10 s). Raises RuntimeError
+    (torch's) when the store cannot be reached."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size = rank, world_size

@@ -287,7 +287,8 @@ def mapped_allocators(maps: str = "/proc/self/maps") -> dict[str, str]:
 def in_force(maps: str = "/proc/self/maps", environ: str = "/proc/self/environ") -> dict:
     """What THIS process really runs with: {in_force: tcmalloc | jemalloc | glibc-tuned | system, library:
     the mapped allocator library or None, glibc_tunables: GLIBC_TUNABLES of the environment it was exec'd
-    with (or None), malloc_conf: jemalloc's MALLOC_CONF from that environment when jemalloc is in force}. tcmalloc/jemalloc when its library is mapped (read from /proc/self/maps); glibc-tuned
+    with (or None), malloc_conf: jemalloc's MALLOC_CONF from that environment when jemalloc is in force}.
+    tcmalloc/jemalloc when its library is mapped (read from /proc/self/maps); glibc-tuned
     when glibc's malloc runs with ``glibc.malloc.*`` tunables; else system."""
     libs = mapped_allocators(maps)
     start_env = _initial_environ(environ)

@@ -260,7 +260,7 @@ def candidate_tiles(queries: torch.Tensor, gallery: GalleryTiles) -> list[int]:
     indices in increasing order (all tiles when a query has fewer than k items here)."""
     spec = gallery.spec
     dtype = LOW_PRECISION[spec.precision][0]
-    k, tg = spec.k, spec.tile_gallery
+    k = spec.k
     if queries.shape[0] == 0 or gallery.num_tiles == 0:
         return []
     q_lp = queries.to(dtype)

@@ -5,7 +5,8 @@ of the base name, webdataset's ``base_plus_ext``) form one sample. The index rec
 order: ``url``, ``size`` (bytes) and ``mtime_ns`` (local files; None for remote URLs, which are therefore not
 checked for staleness), ``num_samples``, ``keys`` (one per sample, in tar order) and ``offsets`` (byte offset of
 the tar header of each sample's first member): the streaming reader seeks there (local files) or asks for
-that byte range (http/https) instead of reading the shard's prefix. Keys are grouped by webdataset's own rule (``base_plus_ext``, metadata ``__*__`` members
+that byte range (http/https) instead of reading the shard's prefix. Keys are grouped by webdataset's own rule
+(``base_plus_ext``, metadata ``__*__`` members
 skipped, lower-cased suffixes) so that the index and the reader agree on what a sample is.
 
 The index is written once and validated on load against the shard list and the shards' current sizes and

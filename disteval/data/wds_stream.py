@@ -123,7 +123,8 @@ def _open(url: str, offset: int | None) -> CountingFile:
 def read_range(shard: ShardInfo, rng: ShardRange, counter: list[int] | None = None) -> Iterator[dict]:
     """Raw samples (webdataset dicts: ``__key__``, ``__url__``, one bytes value per field) of ``rng`` in tar
     order. Starts at the index's byte offset of the range when it has one and the URL allows it (local file,
-    http/https), else reads and discards the members of the samples before the range; stops before reading the data of the first member after it. ``counter[0]`` is
+    http/https), else reads and discards the members of the samples before the range; stops before reading the data
+    of the first member after it. ``counter[0]`` is
     increased by the bytes read from the shard. Raises DataError naming the shard when it is truncated,
     unreadable or disagrees with the index."""
     from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator

@@ -77,7 +77,7 @@ def timeline_figure(phases: dict[int, list[tuple[str, float, float]]], t0: float
     """A horizontal bar per rank (matplotlib ``broken_barh``), seconds since ``t0``, one colour per phase."""
     fig, ax = new_figure(9.0, 0.9 + 0.55 * len(phases))
     labelled = set()
-    for row, (rank, spans) in enumerate(sorted(phases.items())):
+    for row, (_rank, spans) in enumerate(sorted(phases.items())):
         for name in COLORS:
             bars = [(a - t0, max(b - a, 1e-4)) for phase, a, b in spans if phase == name]
             if bars:

@@ -5,7 +5,8 @@ Each rank computes per-sample statistics from its outputs (``per_sample``: corre
 confidence, and for AUROC the softmax probabilities); rank 0 receives every rank's rows, orders them by
 global sample id and resamples samples (``intervals``: ``scipy.stats.bootstrap``, percentile method, one
 seeded generator per metric, the same resamples for all). Means of one column (top-k, NLL) resample the
-column; macro F1, ECE and AUROC are recomputed from the resampled samples' rows (``interval_of``). The rows are functions of each sample's own outputs, which bitwise mode makes the
+column; macro F1, ECE and AUROC are recomputed from the resampled samples' rows (``interval_of``). The rows are
+functions of each sample's own outputs, which bitwise mode makes the
 same bits at every world size, and the resampling sees them in sample-id order, so the intervals are ``==`` at
 every world size and loader worker count. Source of the method: Efron & Tibshirani, *An Introduction to the
 Bootstrap* (1993), ch. 13 (percentile intervals).

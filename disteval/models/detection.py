@@ -32,7 +32,7 @@ def build_detector(model_cfg: Any, category_ids: np.ndarray, seed: int = 0) -> t
         try:
             weights = torchvision.models.get_model_weights(model_cfg.name)[model_cfg.weights]
         except KeyError:
-            raise ConfigError("model.weights", f"{model_cfg.weights!r} is not a weights name of {model_cfg.name}")
+            raise ConfigError("model.weights", f"{model_cfg.weights!r} is not a weights name of {model_cfg.name}") from None
         return torchvision.models.get_model(model_cfg.name, weights=weights, **kwargs).eval()
     num_classes = model_cfg.num_classes or int(category_ids.max(initial=0)) + 1
     net = torchvision.models.get_model(model_cfg.name, weights=None, weights_backbone=None, num_classes=num_classes,

@@ -54,7 +54,7 @@ class _CocoTask(Task):
             raise ConfigError("data.annotations", f"data.name={d.name} needs data.annotations=PATH (COCO JSON)")
         if list(cfg.eval.metrics) != ["coco"]:
             raise ConfigError("eval.metrics", f"detection data takes eval.metrics=[coco], got {list(cfg.eval.metrics)}")
-        self.gt  # parsed here so that a bad entry fails before any rank starts
+        _ = self.gt  # parsed here so that a bad entry fails before any rank starts
 
     def prediction_schema(self):
         """Each image's boxes (xyxy), scores and category ids (``prediction_columns.detection_schema``)."""

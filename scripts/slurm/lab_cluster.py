@@ -493,7 +493,7 @@ def start_lab_cluster(lab, *, root: str | os.PathLike | None = None, controller:
 def _running(c: LabCluster) -> list[tuple[str, int]]:
     """(name, pid) of every daemon of this cluster that is alive (in any node, whatever its holder now)."""
     found = []
-    for node, tmp in c.node_tmp.items():
+    for tmp in c.node_tmp.values():
         d = Path(tmp) / NODE_DIR.removeprefix("/tmp/")
         for pidfile, comm in (("slurmd.pid", "slurmd"), ("slurmctld.pid", "slurmctld"), ("slurmdbd.pid", "slurmdbd"),
                               ("mysqld.pid", "mariadbd"), ("munged.pid", "munged")):
