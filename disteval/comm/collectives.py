@@ -394,8 +394,7 @@ class Communicator:
         # the wire form travels as raw bytes (gloo has no int16, for one), [wire rows, bytes per wire row]
         wire_rows = [cz.encoded_rows(p, r, row_numel) for r in rows]
         row_bytes = p.wire_dtype.itemsize * (1 if p.kind == "bits" else row_numel)
-        wire = (early if early is not None else cz.encode(tensor, p)).contiguous().reshape(-1).view(torch.uint8)
-        wire = wire.reshape(wire_rows[self.rank], row_bytes)
+        wire = (early if early is not None else cz.encode(tensor, p)).contiguous().reshape(-1).view(torch.uint8).reshape(wire_rows[self.rank], row_bytes)  # noqa: E501
         parts = self._gather_payload(wire, wire_rows, dst, dict(name=name, dtype=str(tensor.dtype).removeprefix(
             "torch."), compressible=compressible, compression=compression, wire=p.kind))
         if name is not None and compression != "none":
