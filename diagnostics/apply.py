@@ -16,7 +16,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from diagnostics.evidence import load_run
 from diagnostics.hardware import canary_effect
@@ -56,10 +56,9 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         env.update(remedy.env)
         unset.update(remedy.unset)
         run_dir = _next_attempt_dir(doctor_dir)
-        if n > 1:
-            wait = backoff_s * 2 ** (n - 2)
-            log(f"waiting {wait:g} s before {run_dir.name}")
-            time.sleep(wait)
+        if n > 1:  # the backoff doubles after each attempt
+            log(f"waiting {backoff_s * 2 ** (n - 2):g} s before {run_dir.name}")
+            time.sleep(backoff_s * 2 ** (n - 2))
         argv = rerun_command(overrides, run_dir)
         log(f"{run_dir.name}: {remedy.describe()} -> {' '.join(overrides)}"
             + (f" with {env}" if env else "") + (f" without {sorted(unset)}" if unset else ""))
@@ -81,11 +80,7 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
                          "effect": effect})
         _save_history(doctor_dir, history + attempts)
         if fixed:
-            log(f"{run_dir.name} has no failing check: fixed by {remedy.describe()} ({remedy.why})")
-            if effect.get("said"):
-                log(f"  measured: {effect['said']}")
-            for w in warnings:
-                log(f"  still warns: {w}")
+            _say_fixed(log, run_dir, remedy, effect, warnings)
             break
         if not run_dir.exists():
             break
@@ -93,6 +88,14 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         stopped = f"gave up after {max_attempts} attempt(s) (--max-attempts): none was healthy"
         log(stopped)
     return current, attempts, stopped
+
+
+def _say_fixed(log: Callable[[str], None], run_dir: Path, remedy: Any, effect: dict, warnings: list[str]) -> None:
+    log(f"{run_dir.name} has no failing check: fixed by {remedy.describe()} ({remedy.why})")
+    if effect.get("said"):
+        log(f"  measured: {effect['said']}")
+    for w in warnings:
+        log(f"  still warns: {w}")
 
 
 def timeout_that_fired(run) -> float | None:

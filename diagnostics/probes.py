@@ -129,19 +129,26 @@ def _task_probes(cfg, env) -> dict:
                         "max_abs_logit_diff": [float("inf") if int(r[3]) != int(rows[0][3]) else 0.0 for r in rows],
                         "argmax_disagreements": [0] * env.world_size, "sizes": [int(r[3]) for r in rows]}
         return out
-    gathered = [torch.zeros_like(flat) for _ in range(env.world_size)]
+    out["drift"] = _drift(flat, tensors, env.world_size, min(CANARY, len(dataset)))
+    return out
+
+
+def _drift(flat, tensors: list, world_size: int, batch: int) -> dict:
+    """Every rank's canary outputs (``flat``: float64 [n], the same n on every rank) against the reference: the
+    element-wise median over ranks (W >= 3), so a lone odd rank 0 is named as such; with two ranks there is no
+    majority and the difference is reported against rank 0. One all_gather."""
+    import torch
+    import torch.distributed as dist
+
+    gathered = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
-    # the reference is the element-wise median over ranks (W >= 3), so a lone odd rank 0 is named as such;
-    # with two ranks there is no majority and the difference is reported against rank 0
-    ref = torch.stack(gathered).median(dim=0).values if env.world_size >= 3 else gathered[0]
+    ref = torch.stack(gathered).median(dim=0).values if world_size >= 3 else gathered[0]
     logits = len(tensors) == 1 and tensors[0].ndim == 2 and tensors[0].is_floating_point()
     shape = tensors[0].shape if logits else None
-    out["drift"] = {"batch": min(CANARY, len(dataset)), "tolerance": 1e-4,
-                    "reference": "median of ranks" if env.world_size >= 3 else "rank 0",
-                    "max_abs_logit_diff": [float((g - ref).abs().max()) if g.numel() else 0.0 for g in gathered],
-                    "argmax_disagreements": [int((g.reshape(shape).argmax(1) != ref.reshape(shape).argmax(1)).sum())
-                                             if logits and g.numel() else 0 for g in gathered]}
-    return out
+    return {"batch": batch, "tolerance": 1e-4, "reference": "median of ranks" if world_size >= 3 else "rank 0",
+            "max_abs_logit_diff": [float((g - ref).abs().max()) if g.numel() else 0.0 for g in gathered],
+            "argmax_disagreements": [int((g.reshape(shape).argmax(1) != ref.reshape(shape).argmax(1)).sum())
+                                     if logits and g.numel() else 0 for g in gathered]}
 
 
 def _write(out_dir: str, out: dict) -> None:

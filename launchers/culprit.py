@@ -93,8 +93,12 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
         return Culprit(r, f"rank {r} stopped making progress without recording an error ({recorded_progress(s)}): "
                           f"it died or hung, and its peers failed waiting for it "
                           f"({first['message'][:200]})")
-    # every rank recorded a consequence: the one that had not finished its shard while others had (they waited
-    # for it in the synchronisation and timed out) is the slow one
+    return _slowest_or_first(records, errors, deaths)
+
+
+def _slowest_or_first(records: dict[int, dict | None], errors: list, deaths: dict[int, str]) -> Culprit:
+    """The last rules: every rank recorded a consequence; the one that had not finished its shard while others
+    had (they waited for it in the synchronisation and timed out) is the slow one; else the first error."""
     lag = sorted((float(s.get("samples_done") or 0) / max(1, int(s.get("samples_planned") or 1)), r)
                  for _, r, s in errors if s.get("samples_planned") and (s.get("samples_done") or 0) < s["samples_planned"])
     finished = [r for _, r, s in errors if s.get("samples_planned") and (s.get("samples_done") or 0) >= s["samples_planned"]]

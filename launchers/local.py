@@ -197,18 +197,29 @@ class Rendezvous:
                     rdzv_configs=configs, local_addr=self.local_addr)
 
 
+@dataclass
+class Placement:
+    """Where and how ``launch`` starts the ranks: the single-node rendezvous endpoint (``master_addr``,
+    ``master_port``; 0 picks a free port), the ranks' malloc (``allocator``) and, for a multi-node launch,
+    ``rendezvous`` (this node's share of the ranks)."""
+
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    allocator: AllocatorChoice | None = None
+    rendezvous: Rendezvous | None = None
+
+
 def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str,
-           master_addr: str = "127.0.0.1", master_port: int = 0, allocator: AllocatorChoice | None = None,
-           rendezvous: Rendezvous | None = None) -> dict[int, Any]:
+           placement: Placement | None = None) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``world_size`` local ranks (env:// variables set) and wait for all of them; with
-    a multi-node ``rendezvous`` (nnodes > 1), ``world_size`` is the total and this node runs its share.
+    a multi-node ``placement.rendezvous`` (nnodes > 1), ``world_size`` is the total and this node runs its share.
 
     ``entry`` must be importable (each rank is a fork of a server that imported its module: ``fork_server``)
     and should record its errors in RUN_DIR/ranks/rank{r}/status.json (as ``disteval.engine.run_rank`` does).
     Returns {rank: return value}.
     Raises RankFailedError naming the culprit rank and its own error when any rank fails.
 
-    ``allocator``: the ranks' malloc (``disteval.common.allocator``). LD_PRELOAD and GLIBC_TUNABLES act only
+    ``placement.allocator``: the ranks' malloc (``disteval.common.allocator``). LD_PRELOAD and GLIBC_TUNABLES act only
     when a process is exec'd, and elastic applies its per-worker ``envs`` inside the child after the
     interpreter started (``torch.distributed.elastic.multiprocessing.api._wrap``): too late. The fork server is
     exec'd with this process's environment when the first rank starts (``multiprocessing.util.spawnv_passfds``,
@@ -222,19 +233,17 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-    # torch gives some of its loggers a level of their own (the agent's "Received 2 death signal" warning on
-    # Ctrl-C is one): each is set, not only the parents; disteval says what happened itself
-    for name in [*quiet, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(quiet))]:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    _quiet_torch_loggers()
+    where = placement or Placement()
+    rendezvous, allocator = where.rendezvous, where.allocator
     if rendezvous is not None and rendezvous.nnodes > 1:
-        placement = rendezvous.launch_config(world_size)
+        shape = rendezvous.launch_config(world_size)
     else:
-        placement = dict(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
-                         rdzv_backend="c10d", rdzv_endpoint=f"{master_addr}:{master_port}")
+        shape = dict(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"disteval-{uuid.uuid4().hex[:12]}",
+                     rdzv_backend="c10d", rdzv_endpoint=f"{where.master_addr}:{where.master_port}")
     # SIGTERM, then SIGKILL after 3 s (a stopped rank ignores SIGTERM); torch < 2.14 has no such field (30 s)
     stop = {"shutdown_timeout": 3} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
-    config = LaunchConfig(**placement, max_restarts=0, monitor_interval=0.1, start_method="forkserver", **stop)
+    config = LaunchConfig(**shape, max_restarts=0, monitor_interval=0.1, start_method="forkserver", **stop)
     reaper = Reaper(run_dir, world_size)
     if allocator is not None and allocator.changes_env:
         from multiprocessing import resource_tracker
@@ -249,23 +258,38 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
                 fork_server(entry.__module__):
             return elastic_launch(config, _rank_main)(entry, handed_to_ranks(), *args)
     except ChildFailedError as exc:
-        # ranks the reaper killed after another rank failed are consequences: not deaths of their own
-        deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
-        if not deaths:  # elastic saw only ranks the reaper stopped: the reaper's own account of who ended first
-            deaths = {r: how for r, how in reaper.dead.items() if r not in reaper.killed}
-        culprit = find_culprit(run_dir, world_size, deaths)
-        error = RankFailedError(culprit.rank, culprit.message, deaths)
-        recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
-        if not recorded and culprit.rank is not None:  # no record of its own (the disk was full from the start)
-            recorded = disk_full_from_message(deaths.get(culprit.rank, ""))
-        if recorded.get("errno"):  # a full disk: keep its type and details for launch.json
-            error.error_type = recorded.get("type")
-            error.error_details = {k: recorded.get(k) for k in ("errno", "path", "bytes_needed", "free_bytes")}
-        raise error from None
+        raise _rank_failure(exc, reaper, run_dir, world_size) from None
     except RendezvousError as exc:  # a multi-node launch whose nodes never met
         raise _rendezvous_failure(exc, rendezvous, time.monotonic() - t_start) from None
     except SignalException as exc:  # the agent stopped every worker before re-raising
         raise RunInterrupted(getattr(exc.sigval, "name", str(exc.sigval))) from None
+
+
+def _quiet_torch_loggers() -> None:
+    """torch's elastic agent and launcher say nothing below CRITICAL: disteval says what happened itself. torch
+    gives some of its loggers a level of their own (the agent's "Received 2 death signal" warning on Ctrl-C is
+    one): each is set, not only the parents."""
+    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*quiet, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(quiet))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _rank_failure(exc: Any, reaper: "Reaper", run_dir: str, world_size: int) -> RankFailedError:
+    """The RankFailedError of a launch whose ranks failed (elastic's ChildFailedError ``exc``): the culprit by
+    ``find_culprit`` from the deaths (ranks the reaper killed after another rank failed are consequences, not
+    deaths of their own) and, for a full disk, its recorded type and details (for launch.json)."""
+    deaths = {int(rank): _death(f) for rank, f in exc.failures.items() if int(rank) not in reaper.killed}
+    if not deaths:  # elastic saw only ranks the reaper stopped: the reaper's own account of who ended first
+        deaths = {r: how for r, how in reaper.dead.items() if r not in reaper.killed}
+    culprit = find_culprit(run_dir, world_size, deaths)
+    error = RankFailedError(culprit.rank, culprit.message, deaths)
+    recorded = ((read_status(run_dir, culprit.rank) or {}).get("error") or {}) if culprit.rank is not None else {}
+    if not recorded and culprit.rank is not None:  # no record of its own (the disk was full from the start)
+        recorded = disk_full_from_message(deaths.get(culprit.rank, ""))
+    if recorded.get("errno"):
+        error.error_type = recorded.get("type")
+        error.error_details = {k: recorded.get(k) for k in ("errno", "path", "bytes_needed", "free_bytes")}
+    return error
 
 
 _server_made_for: tuple | None = None  # (module, environment) the current fork server was asked for
@@ -389,18 +413,16 @@ def run_single(entry: Callable[..., Any], args: tuple) -> Any:
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_local(cfg_container: dict, run_dir: str, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int = 0, allocator: AllocatorChoice | None = None,
-                 rendezvous: Rendezvous | None = None) -> None:
+def launch_local(cfg_container: dict, run_dir: str, world_size: int, placement: Placement | None = None) -> None:
     """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.engine.worker_entry``) and wait;
-    ``allocator``: the ranks' malloc (see ``launch``); ``rendezvous``: a multi-node launch (this node's share of
-    the ranks; the ranks agree on rank 0's run directory).
+    ``placement``: see ``launch`` (a multi-node rendezvous: this node's share of the ranks; the ranks agree on
+    rank 0's run directory).
 
     Raises RankFailedError naming the first failing rank and its own error when any rank fails.
     """
     from disteval.engine import worker_entry
 
-    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, master_addr, master_port, allocator, rendezvous)
+    launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, placement)
 
 
 def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_agent_stuck=None) -> None:
@@ -435,9 +457,10 @@ def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_ag
             failed.rank = 0
             raise failed from exc
     elif int(cfg.dist.nnodes) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
-        launch_local(container, run_dir, cfg.dist.world_size, allocator=choice,
-                     rendezvous=Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck))
+        rendezvous = Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck)
+        launch_local(container, run_dir, cfg.dist.world_size, Placement(allocator=choice, rendezvous=rendezvous))
     else:
         alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
-        launch_local(container, run_dir, cfg.dist.world_size, "127.0.0.1" if alone else cfg.dist.master_addr,
-                     0 if alone else cfg.dist.master_port, allocator=choice)
+        launch_local(container, run_dir, cfg.dist.world_size,
+                     Placement("127.0.0.1" if alone else cfg.dist.master_addr, 0 if alone else cfg.dist.master_port,
+                               allocator=choice))

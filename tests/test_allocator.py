@@ -150,11 +150,11 @@ def test_in_force_ignores_variables_set_after_the_start():
 def test_local_ranks_run_with_the_allocator_and_the_launcher_keeps_its_own(tmp_path):
     """launchers.local.launch with jemalloc: both ranks report jemalloc mapped (their own /proc/self/maps), this
     process (the launching driver) has none mapped and its environment is as before."""
-    from launchers.local import launch
+    from launchers.local import Placement, launch
 
     assert "jemalloc" not in allocator.mapped_allocators()
     before = dict(os.environ)
-    out = launch(allocator.rank_record, ("jemalloc",), 2, str(tmp_path), allocator=resolve("jemalloc"))
+    out = launch(allocator.rank_record, ("jemalloc",), 2, str(tmp_path), Placement(allocator=resolve("jemalloc")))
     assert sorted(out) == [0, 1]
     for rec in out.values():
         assert (rec["requested"], rec["applied"], rec["in_force"]) == ("jemalloc", "jemalloc", "jemalloc")
