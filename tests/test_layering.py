@@ -246,3 +246,14 @@ def test_no_get_with_a_default_restates_the_schema():
                     node.args[0].value in sections[receiver.attr]:
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+def test_metrics_reach_their_states_through_the_public_accessor():
+    """Only disteval/metrics/base.py touches ``Metric._states``; subclasses use ``state_tensors`` (or ``states()``),
+    so the base class can change how it keeps them."""
+    import re
+
+    private = re.compile(r"\._states\b")
+    touching = [str(p.relative_to(REPO)) for d in ("disteval", "diagnostics", "launchers") for p in (REPO / d).rglob("*.py")
+                if private.search(p.read_text(encoding="utf-8")) and p != REPO / "disteval" / "metrics" / "base.py"]
+    assert not touching, touching

@@ -127,6 +127,13 @@ class Metric(abc.ABC):
         """Fold work queued by ``update`` into the states (no-op here; metrics that batch their work, e.g.
         ranking scores or COCO matching, override it). ``states``, ``merge_state`` call it first."""
 
+    @property
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The state tensors by name, live (the dict the metric holds, not a copy): a subclass's ``update`` and
+        ``compute`` read them, add into them in place, or put a new tensor under a declared name (``add_state``
+        declares names and reductions; a name not declared there is never synchronised)."""
+        return self._states
+
     def states(self) -> dict[str, tuple[torch.Tensor, Reduction]]:
         """``{name: (tensor, reduction)}`` of the local states (the tensors themselves, not copies)."""
         self._flush()

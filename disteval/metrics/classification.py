@@ -132,7 +132,7 @@ class ClassificationMetrics(Metric):
         pred = lg.argmax(dim=1)
         correct = (pred == t) & valid
         ones = valid.long()
-        s = self._states
+        s = self.state_tensors
         s["count"] += ones.sum()
         s["correct_topk"] += torch.stack([((rank < k) & valid).sum() for k in self.topk])
         s["confusion"].view(-1).index_add_(0, t * c + pred, ones)
@@ -197,7 +197,7 @@ class ClassificationMetrics(Metric):
         if self._class_counts is not None:
             c = self._class_counts.numpy()
             return c[:, 0], c[:, 1], c[:, 2]
-        cm = self._states["confusion"].cpu().numpy()
+        cm = self.state_tensors["confusion"].cpu().numpy()
         return np.diag(cm).astype(np.int64), cm.sum(axis=1), cm.sum(axis=0)
 
     def compute(self) -> dict:
@@ -210,7 +210,7 @@ class ClassificationMetrics(Metric):
         the ECE's bins), ``confusion`` (C x C ints, rows = true class; only for C <= CONFUSION_IN_RESULTS and a
         whole matrix)."""
         self.raise_deferred()
-        s = {k: v.cpu().numpy() for k, v in self._states.items()}
+        s = {k: v.cpu().numpy() for k, v in self.state_tensors.items()}
         n = int(s["count"])
         tp, support, predicted = self._tp_support_predicted()
         fp, fn = predicted - tp, support - tp
@@ -241,7 +241,7 @@ class ClassificationMetrics(Metric):
     def local_summary(self) -> dict:
         """Small per-rank view of the *local* states (before sync): top-1 accuracy and NLL (None without
         samples)."""
-        n = int(self._states["count"])
-        top1 = int(self._states["confusion"].diagonal().sum())
+        n = int(self.state_tensors["count"])
+        top1 = int(self.state_tensors["confusion"].diagonal().sum())
         return {"accuracy": top1 / n if n else None,
-                "nll": float(self._states["nll_sum"]) / n if n else None}
+                "nll": float(self.state_tensors["nll_sum"]) / n if n else None}

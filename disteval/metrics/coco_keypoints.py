@@ -119,7 +119,7 @@ class CocoKeypointMetric(Metric):
         images = torch.as_tensor(targets).long().cpu().numpy()
         for img, out in zip(images.tolist(), outputs):
             recs.append(self._match(int(img), out, npig))
-        s = self._states
+        s = self.state_tensors
         rec = np.concatenate(recs) if recs else np.zeros(0, RECORD)
         s["records"] = torch.cat([s["records"], torch.from_numpy(rec.view(np.uint8).reshape(len(rec), RECORD.itemsize).copy())])
         s["images"] = torch.cat([s["images"], torch.from_numpy(images.astype(np.int64))])
@@ -154,12 +154,12 @@ class CocoKeypointMetric(Metric):
     def compute(self) -> dict:
         """``AP, AP50, AP75, APm, APl, AR, AR50, AR75, ARm, ARl`` (pycocotools' ``_summarizeKps``; -1 where
         undefined), ``num_images``, ``detections_evaluated``. Raises DataError naming images evaluated twice."""
-        images = self._states["images"].numpy()
+        images = self.state_tensors["images"].numpy()
         uniq, counts = np.unique(images, return_counts=True)
         if (counts > 1).any():
             raise DataError(f"image ids {self.gt.image_ids[uniq[counts > 1]][:10].tolist()} were evaluated more than once")
-        rec = self._states["records"].numpy().copy().view(RECORD).reshape(-1)
-        precision, recall = accumulate(rec, self._states["npig"].numpy(), self.gt.num_categories, MAX_DETS)
+        rec = self.state_tensors["records"].numpy().copy().view(RECORD).reshape(-1)
+        precision, recall = accumulate(rec, self.state_tensors["npig"].numpy(), self.gt.num_categories, MAX_DETS)
         return {**summarize_keypoints(precision, recall), "num_images": int(len(uniq)),
                 "detections_evaluated": int(len(rec))}
 

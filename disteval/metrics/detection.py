@@ -110,7 +110,7 @@ class CocoDetectionMetric(Metric):
         dets = _concat([p[1] for p in self._pending])
         self._pending = []
         rec, npig = match_shard(dets, self.gt.shard(images, self.iou_type), self.gt.num_categories, self.iou_type)
-        s = self._states
+        s = self.state_tensors
         s["records"] = torch.cat([s["records"], torch.from_numpy(rec.view(np.uint8).reshape(len(rec), RECORD_DTYPE.itemsize).copy())])
         s["images"] = torch.cat([s["images"], torch.from_numpy(images)])
         s["npig"] = s["npig"] + torch.from_numpy(npig)
@@ -120,14 +120,14 @@ class CocoDetectionMetric(Metric):
         ``per_category_ap`` {category name: AP or None}, ``pr_curve`` (``coco_eval.pr_curves``), ``num_images``, ``detections_evaluated``.
         Raises DataError naming image ids evaluated more than once."""
         self._flush()
-        images = self._states["images"].numpy()
+        images = self.state_tensors["images"].numpy()
         uniq, counts = np.unique(images, return_counts=True)
         if (counts > 1).any():
             dup = self.gt.image_ids[uniq[counts > 1]][:10].tolist()
             raise DataError(f"image ids {dup} were evaluated more than once ({int((counts > 1).sum())} images): "
                             "each image must belong to exactly one shard")
-        rec = self._states["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
-        precision, recall = accumulate(rec, self._states["npig"].numpy(), self.gt.num_categories)
+        rec = self.state_tensors["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
+        precision, recall = accumulate(rec, self.state_tensors["npig"].numpy(), self.gt.num_categories)
         out: dict = dict(summarize(precision, recall))
         out["per_category_ap"] = dict(zip(self.gt.category_names, per_category_ap(precision)))
         out["pr_curve"] = pr_curves(precision)
@@ -140,8 +140,8 @@ class CocoDetectionMetric(Metric):
         """Bootstrap intervals of the 12 statistics over the evaluated images (``coco_bootstrap``), from the
         synchronised records (rank 0, after ``compute``)."""
         self._flush()
-        images = np.unique(self._states["images"].numpy())
-        rec = self._states["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
+        images = np.unique(self.state_tensors["images"].numpy())
+        rec = self.state_tensors["records"].numpy().copy().view(RECORD_DTYPE).reshape(-1)
         npig = image_npig(self.gt.shard(images, "bbox"), images, self.gt.num_categories)
         return coco_intervals(ImageResampler(rec, images, npig, self.gt.num_categories), len(images), resamples,
                               level, seed)

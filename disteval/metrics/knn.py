@@ -137,7 +137,7 @@ class EmbeddingMetrics(Metric):
                             f"sample(s) on this rank (sample ids {few_ids(first.tolist())})", sample_id=int(first[0]))
         if emb.shape[1] != self.spec.dim:
             raise DataError(f"embeddings have {emb.shape[1]} dimensions, expected {self.spec.dim}")
-        st = self._states
+        st = self.state_tensors
         st["embeddings"] = torch.cat([st["embeddings"], emb])
         st["labels"] = torch.cat([st["labels"], lab])
         st["ids"] = torch.cat([st["ids"], ids])
@@ -146,10 +146,10 @@ class EmbeddingMetrics(Metric):
         """This rank's (embeddings float32 [m, D], positions int64 [m] = id - lo, labels int64 [m]) of the
         samples with ids in [lo, hi), by id."""
         self._flush()
-        ids = self._states["ids"]
+        ids = self.state_tensors["ids"]
         keep = torch.nonzero((ids >= lo) & (ids < hi)).flatten()
         keep = keep[torch.argsort(ids[keep])]
-        return self._states["embeddings"][keep], ids[keep] - lo, self._states["labels"][keep]
+        return self.state_tensors["embeddings"][keep], ids[keep] - lo, self.state_tensors["labels"][keep]
 
     def zero_rows(self, lo: int, hi: int) -> tuple[int, torch.Tensor]:
         """(how many of this rank's samples have ids in [lo, hi), the ids among them whose embedding is all zero:
@@ -160,7 +160,7 @@ class EmbeddingMetrics(Metric):
     def add_knn(self, scores: torch.Tensor, neighbor_labels: torch.Tensor, targets: torch.Tensor) -> None:
         """Count kNN hits of these queries (scores float32 [n, K], neighbour labels int64 [n, K], query labels
         int64 [n]) for every vote kind and k."""
-        s = self._states
+        s = self.state_tensors
         for v, vote in enumerate(self.spec.votes):
             temp = self.spec.temperature if vote == "weighted" else None
             s["knn_hits"][v] += knn_hits(scores, neighbor_labels, targets, self.spec.num_classes, self.spec.knn_k, temp)
@@ -168,21 +168,21 @@ class EmbeddingMetrics(Metric):
     def add_recall(self, search: str, first_rank: torch.Tensor) -> None:
         """Count the queries of ``search`` and their recall@k hits (``first_hit_rank`` int64 [n])."""
         i = self.spec.searches.index(search)
-        self._states["queries"][i] += first_rank.numel()
+        self.state_tensors["queries"][i] += first_rank.numel()
         if self.spec.recall_k:
-            self._states["recall_hits"][i] += recall_hits(first_rank, self.spec.recall_k)
+            self.state_tensors["recall_hits"][i] += recall_hits(first_rank, self.spec.recall_k)
 
     def add_queries(self, search: str, n: int) -> None:
         """Count ``n`` queries of ``search`` (searches without recall)."""
-        self._states["queries"][self.spec.searches.index(search)] += int(n)
+        self.state_tensors["queries"][self.spec.searches.index(search)] += int(n)
 
     def add_map_at_r(self, ap: torch.Tensor) -> None:
         """Append per-query AP@R values (float64 [n]); their mean is summed with ``math.fsum`` (correctly
         rounded: independent of order and world size)."""
-        self._states["ap_at_r"] = torch.cat([self._states["ap_at_r"], ap.double()])
+        self.state_tensors["ap_at_r"] = torch.cat([self.state_tensors["ap_at_r"], ap.double()])
 
     def compute(self) -> dict:
-        s, spec = self._states, self.spec
+        s, spec = self.state_tensors, self.spec
         out: dict = {}
         for i, name in enumerate(spec.searches):
             n = int(s["queries"][i])

@@ -115,17 +115,17 @@ class RankingMetrics(Metric):
 
     def _flush(self) -> None:
         if self._parts:
-            scores = torch.cat([self._states["scores"]] + [p[0] for p in self._parts])
-            targets = torch.cat([self._states["targets"]] + [p[1] for p in self._parts])
-            self._states["scores"], self._states["targets"] = scores, targets
+            scores = torch.cat([self.state_tensors["scores"]] + [p[0] for p in self._parts])
+            targets = torch.cat([self.state_tensors["targets"]] + [p[1] for p in self._parts])
+            self.state_tensors["scores"], self.state_tensors["targets"] = scores, targets
             self._parts = []
 
     def compute(self) -> dict:
         """``auroc_macro``, ``ap_macro`` (None when no class is defined), per-class lists ``auroc``, ``ap``."""
         self._flush()
         self.raise_deferred()
-        scores = self._states["scores"].cpu().numpy()
-        targets = self._states["targets"].cpu().numpy()
+        scores = self.state_tensors["scores"].cpu().numpy()
+        targets = self.state_tensors["targets"].cpu().numpy()
         auroc, ap = [], []
         for c in range(self.num_classes):
             y = targets[:, c].astype(bool) if self.multilabel else targets == c

@@ -221,9 +221,9 @@ class SegmentationMetrics(Metric):
                 self._predictions.append((sid, pred.to(torch.int32).cpu().numpy()))
 
     def _add_confusion(self, cm: torch.Tensor) -> None:
-        state = self._states["confusion"]
+        state = self.state_tensors["confusion"]
         if state.device != cm.device:  # the first batch: the state moves to the outputs' device
-            state = self._states["confusion"] = state.to(cm.device)
+            state = self.state_tensors["confusion"] = state.to(cm.device)
         state += cm
 
     def _check(self, bad_labels: torch.Tensor, bad_pred: torch.Tensor | None, sid: int, device: torch.device) -> None:
@@ -259,8 +259,8 @@ class SegmentationMetrics(Metric):
         if self._pending:
             rows = torch.stack(self._pending)
             self._pending = []
-            old = self._states["per_image"]
-            self._states["per_image"] = torch.cat([old.to(rows.device), rows])
+            old = self.state_tensors["per_image"]
+            self.state_tensors["per_image"] = torch.cat([old.to(rows.device), rows])
 
     def reset(self) -> None:
         """As ``Metric.reset``; also drops kept predictions."""
@@ -296,7 +296,7 @@ class SegmentationMetrics(Metric):
         if self._class_counts is not None:
             k = self._class_counts.numpy()
             return k[:, 0].copy(), k[:, 1].copy(), k[:, 2].copy()
-        cm = self._states["confusion"].cpu().numpy()
+        cm = self.state_tensors["confusion"].cpu().numpy()
         return np.diag(cm).astype(np.int64), cm.sum(axis=1), cm.sum(axis=0)
 
     def compute(self) -> dict:
@@ -354,7 +354,7 @@ class SegmentationMetrics(Metric):
 
     def local_summary(self) -> dict:
         """This rank's pixel accuracy and labelled pixels before synchronisation."""
-        cm = self._states["confusion"]
+        cm = self.state_tensors["confusion"]
         n = int(cm.sum())
         return {"pixel_accuracy": int(cm.diagonal().sum()) / n if n else None, "pixels": n}
 
