@@ -433,7 +433,8 @@ class RankRun:
         metrics, trial_summary = summarize_trials([o["metrics"] for o in outcomes], cfg.eval.trial_aggregate,
                                                   float(cfg.eval.clip_sigma))
         run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
-               "dataset": self.task.describe(), "task": dict(self.task.identity(), main_metric=self.task.main_metric(metrics)),
+               "dataset": self.task.describe(), "task": dict(self.task.identity(), main_metric=self.task.main_metric(metrics),
+                                                                 lower_is_better=self.task.lower_is_better(metrics)),
                "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
                "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
                "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
@@ -483,6 +484,7 @@ class RankRun:
         results["model"]["class"] = type(next(iter(nets.values()))).__name__
         blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
         results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
+        results["task"]["lower_is_better"] = sorted({k for b in blocks for k in self.task.lower_is_better(b["metrics"])})
         write_results(self.ctx.run_dir, results)
         return results
 

@@ -181,10 +181,12 @@ def print_intervals(ci: dict | None, console: Console | None = None, label: str 
                   f"resamples, seed {ci['seed']}): " + ", ".join(parts), soft_wrap=True, highlight=False)
 
 
-def print_checkpoint_table(names: list[str], sections: list[tuple], console: Console | None = None) -> None:
+def print_checkpoint_table(names: list[str], sections: list[tuple], console: Console | None = None,
+                           lower_labels: frozenset[str] = frozenset()) -> None:
     """The metrics of a job of several checkpoints side by side: one row per metric (the task's console rows,
     ``Task.console_section``), one column per checkpoint in the order listed; where a row's values all read as
-    numbers and differ, the best is bold (the largest, or the smallest for losses and calibration errors)."""
+    numbers and differ, the best is bold: the smallest for the rows in ``lower_labels`` (the metrics whose
+    declaration says lower is better, ``Metric.meaning``: losses, calibration errors), else the largest."""
     if not names:
         return
     console = console or _console
@@ -193,7 +195,6 @@ def print_checkpoint_table(names: list[str], sections: list[tuple], console: Con
     table.add_column("metric")
     for n in names:
         table.add_column(n, justify="right")
-    lower = ("nll", "ece", "loss", "error", "cross-entropy")
     for i, (label, _) in enumerate(sections[0][0]):
         cells = [sec[0][i][1] if i < len(sec[0]) else "" for sec in sections]
         try:
@@ -201,7 +202,7 @@ def print_checkpoint_table(names: list[str], sections: list[tuple], console: Con
         except ValueError:
             values = []
         if len(set(values)) > 1:
-            best = (min if any(w in label.lower() for w in lower) else max)(values)
+            best = (min if label in lower_labels else max)(values)
             cells = [f"[bold]{c}[/]" if v == best else c for c, v in zip(cells, values)]
         table.add_row(label, *cells)
     console.print(table)
@@ -221,7 +222,12 @@ def present(results: dict, section_of: Callable[[dict], tuple], console: Console
     intervals."""
     blocks = results.get("checkpoints")
     if blocks:
-        print_checkpoint_table([b["name"] for b in blocks], [section_of(b["metrics"]) for b in blocks], console)
+        lower = set((results.get("task") or {}).get("lower_is_better") or ())
+        # the rows of those keys, labelled as the task labels them: the rows that leave its section without them
+        labels = frozenset(label for b in blocks for label in
+                           {r[0] for r in section_of(b["metrics"])[0]}
+                           - {r[0] for r in section_of({k: v for k, v in b["metrics"].items() if k not in lower})[0]})
+        print_checkpoint_table([b["name"] for b in blocks], [section_of(b["metrics"]) for b in blocks], console, labels)
         print_metrics(dict(results, metrics={}), ([], [], []), console)  # the job's throughput, times, ranks
         for b in blocks:
             print_intervals(b.get("confidence_intervals"), console, label=b["name"])

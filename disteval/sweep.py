@@ -31,7 +31,6 @@ from omegaconf import DictConfig
 
 from disteval.common.links import mbit, node_throughput
 
-MAIN_METRICS = ("top1", "AP", "auroc_macro")  # the first one present is the job's main metric
 COLUMNS = ("job", "world_size", "status", "main_metric", "value", "job_wall_s", "eval_s", "forward_images_per_s",
            "pipeline", "delivered_images_per_s", "link_mbit_s", "slow_link_node", "error", "run_dir")
 PLOTS = (("job_wall_s", "job wall time (s)\nwhole job: start-up, load, eval, exit"),
@@ -68,12 +67,19 @@ def _links(run_dir: Path) -> dict[str, Any]:
     return {"link_mbit_s": round(mbit(slowest["bps"]), 3), "slow_link_node": host if len(nodes) > 1 else None}
 
 
+def main_metric_of(results: dict) -> str | None:
+    """The main metric a job's results.json names (``task.main_metric``: the task's choice by its metrics'
+    declarations, ``disteval.metrics.meaning``) when its metrics hold it, else None."""
+    name = (results.get("task") or {}).get("main_metric")
+    return name if name in (results.get("metrics") or {}) else None
+
+
 def _job_row(run_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": run_dir.name, "run_dir": str(run_dir), **_links(run_dir)}
     results = run_dir / "results.json"
     if results.is_file():
         res = json.loads(results.read_text())
-        name = next((k for k in MAIN_METRICS if k in res["metrics"]), None)
+        name = main_metric_of(res)
         row.update(world_size=res["world_size"], status="completed", main_metric=name,
                    value=res["metrics"].get(name) if name else None, job_wall_s=_job_wall(run_dir, res),
                    eval_s=res["timings"].get("evaluation_s", res["timings"]["total"]),

@@ -22,7 +22,7 @@ def _job(root, name: str, results: dict | None = None, launch: dict | None = Non
 
 def _results(world_size: int, images_per_s: float, timings: dict) -> dict:
     return {"world_size": world_size, "metrics": {"top1": 0.9852}, "throughput": {"images_per_s": images_per_s},
-            "timings": timings}
+            "timings": timings, "task": {"name": "classification", "main_metric": "top1"}}
 
 
 def test_summary_shows_job_wall_time_and_forward_only_throughput(tmp_path):
@@ -53,6 +53,26 @@ def test_summary_shows_job_wall_time_and_forward_only_throughput(tmp_path):
     assert (tmp_path / "summary.png").stat().st_size > 0
     titles = dict(sweep.PLOTS)
     assert "job wall time" in titles["job_wall_s"] and "forward-only" in titles["forward_images_per_s"]
+
+
+def test_every_task_s_main_metric_is_compared_across_world_sizes(tmp_path):
+    """The sweep compares the main metric each job's results.json names (``task.main_metric``, from the metric
+    classes' declarations): a segmentation sweep whose mIoU differs between W=1 and W=2 is flagged (with a fixed
+    list of top1/AP/auroc_macro it had no main metric and flagged nothing); the same number is not flagged."""
+    for job, (w, miou) in enumerate([(1, 0.6125), (2, 0.6126), (4, 0.6125)]):
+        res = {"world_size": w, "metrics": {"mIoU": miou, "pixel_accuracy": 0.9}, "throughput": {"images_per_s": 10.0},
+               "timings": {"total": 1.0}, "task": {"name": "segmentation", "main_metric": "mIoU"}}
+        _job(tmp_path / "seg", str(job), res)
+    rows = sweep.summarize_sweep(tmp_path / "seg", console=Console(file=io.StringIO(), width=250))
+    assert [(r["main_metric"], r["value"], r["flag"]) for r in rows] == [("mIoU", 0.6125, "differs across world sizes"),
+                                                                       ("mIoU", 0.6126, "differs across world sizes"),
+                                                                       ("mIoU", 0.6125, "differs across world sizes")]
+    for job, w in enumerate([1, 2]):
+        res = {"world_size": w, "metrics": {"recall@1": 0.5}, "throughput": {"images_per_s": 10.0},
+               "timings": {"total": 1.0}, "task": {"name": "embedding", "main_metric": "recall@1"}}
+        _job(tmp_path / "emb", str(job), res)
+    rows = sweep.summarize_sweep(tmp_path / "emb", console=Console(file=io.StringIO(), width=250))
+    assert [(r["main_metric"], r["value"], r["flag"]) for r in rows] == [("recall@1", 0.5, ""), ("recall@1", 0.5, "")]
 
 
 def _status(job, rank: int, host: str, done: list[dict], flight: dict | None = None) -> None:

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 from disteval.errors import ConfigError
 from disteval.loggers.base import JobView, TrackerCallback, per_class, per_class_csv, scalar_metrics
-from disteval.sweep import MAIN_METRICS  # the first one present is a job's main metric
+from disteval.sweep import main_metric_of
 
 MAX_PARAM = 6000  # characters of a param value MLflow stores (the longest are cut)
 
@@ -125,7 +125,7 @@ class MlflowLogger(TrackerCallback):
         now, metrics = int(time.time() * 1000), []
         for job in (j for j in jobs if j.ok):
             scalars = scalar_metrics(job.results)
-            main = next((k for k in MAIN_METRICS if k in scalars), None)
+            main = main_metric_of(job.results)
             for key in ("throughput.images_per_s", "timings.evaluation_s", main):
                 if key is not None and key in scalars:
                     metrics.append(Metric(f"sweep.{key}", scalars[key], now, job.world_size))

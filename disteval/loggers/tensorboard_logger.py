@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from disteval.loggers.base import JobView, TrackerCallback, scalar_metrics
-from disteval.sweep import MAIN_METRICS  # the first one present is a job's main metric
+from disteval.sweep import main_metric_of
 
 FOLDER = "tensorboard"
 
@@ -60,7 +60,7 @@ class TensorboardLogger(TrackerCallback):
         try:
             for job in done:
                 scalars = scalar_metrics(job.results)
-                main = next((k for k in MAIN_METRICS if k in scalars), None)
+                main = main_metric_of(job.results)
                 for key in ("throughput.images_per_s", "timings.evaluation_s", main):
                     if key is not None and key in scalars:
                         writer.add_scalar(f"sweep/{key}", scalars[key], job.world_size)

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Iterable, Literal
 
 import torch
 
+from disteval.metrics.meaning import Meaning, register
+
 Reduction = Literal["sum", "gather", "local"]
 
 
@@ -53,6 +55,14 @@ class Metric(abc.ABC):
     #: synchronisation (the engine then moves the metric to the model's device with ``to``); False: the
     #: states stay on the CPU and ``update`` copies what it needs there.
     device_resident: ClassVar[bool] = False
+    #: what the numbers of ``compute()`` mean: the main metric and the keys where lower is better
+    #: (``disteval.metrics.meaning``); every concrete metric declares it, the registry collects it
+    meaning: ClassVar[Meaning] = Meaning()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "meaning" in cls.__dict__:
+            register(f"{cls.__module__}.{cls.__qualname__}", cls.meaning)
 
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}

@@ -30,6 +30,7 @@ import torch
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 
 CONFUSION_IN_RESULTS = 50  # the most classes whose confusion matrix results.json holds (C x C ints)
 
@@ -58,6 +59,8 @@ class ClassificationMetrics(Metric):
 
     Raises ValueError for an invalid k or bin count.
     """
+
+    meaning = Meaning(main=("top1", "accuracy"), lower=("nll", "ece"), precedence=0)
 
     def __init__(self, num_classes: int, topk: Sequence[int] = (1, 5), ece_bins: int = 15):
         super().__init__()

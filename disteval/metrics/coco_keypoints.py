@@ -19,6 +19,7 @@ import torch
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 from disteval.metrics.coco_eval import IOU_THRS, T, accumulate, record_dtype
 
 SIGMAS = np.array([.26, .25, .25, .35, .35, .79, .79, .72, .72, .62, .62, 1.07, 1.07, .87, .87, .89, .89]) / 10.0
@@ -99,6 +100,8 @@ class CocoKeypointMetric(Metric):
     [n], ``labels`` [n] (category ids), optionally ``area`` [n] (else the keypoints' extent, as loadRes);
     targets = int64 [B] image indices. States: ``records`` (gathered), ``images`` (gathered), ``npig`` int64
     [K, 3] (summed). ``compute()``: the 10 statistics of pycocotools' ``_summarizeKps``."""
+
+    meaning = Meaning(main=("AP",), precedence=10)
 
     def __init__(self, gt, sigmas: np.ndarray | None = None):
         super().__init__()

@@ -15,6 +15,7 @@ import torch
 from disteval.common.coco_types import detections_from_arrays, xyxy_to_xywh
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 from disteval.metrics.coco_bootstrap import ImageResampler, coco_intervals, image_npig
 from disteval.metrics.coco_eval import (AREA_RNG, RECORD_DTYPE, STAT_NAMES, DetectionShard, accumulate, match_shard,
                                         per_category_ap, pr_curves, summarize)
@@ -35,6 +36,8 @@ class CocoDetectionMetric(Metric):
     area for segm outputs without boxes, as pycocotools' loadRes); targets = int64 [B] image indices (sorted image-id order).
     Detections whose label is not a category of ``gt`` are dropped and counted (``dropped_unknown_category``).
     """
+
+    meaning = Meaning(main=("AP",), precedence=10)
 
     def __init__(self, gt, iou_type: str = "bbox", keep_predictions: bool = False):
         super().__init__()

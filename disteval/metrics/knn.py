@@ -13,6 +13,7 @@ import torch
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 
 VOTES = ("weighted", "majority")
 FEW = 5  # sample ids an error or warning lists
@@ -107,6 +108,8 @@ class EmbeddingMetrics(Metric):
     ``update(outputs, targets, sample_ids)``: outputs float [B, D] embeddings, targets int64 [B] labels
     (classes, or the pair group), sample_ids int64 [B]. Raises DataError naming the sample for a non-finite
     embedding."""
+
+    meaning = Meaning(main=(r".*top1", r".*recall.*"), precedence=30)
 
     def __init__(self, spec: EmbeddingSpec):
         super().__init__()

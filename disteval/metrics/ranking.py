@@ -19,6 +19,7 @@ import torch
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 
 
 def binary_auroc(y: np.ndarray, s: np.ndarray) -> float | None:
@@ -65,6 +66,8 @@ class RankingMetrics(Metric):
         multilabel: False: targets int64 [B] in [0, C), scores = softmax(logits); True: targets {0, 1}
             [B, C], scores = sigmoid(logits).
     """
+
+    meaning = Meaning(main=("auroc_macro", "ap_macro"), precedence=50)
 
     def __init__(self, num_classes: int, multilabel: bool = False):
         super().__init__()

@@ -45,6 +45,7 @@ from pycocotools import mask as mask_utils
 
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
+from disteval.metrics.meaning import Meaning
 from disteval.metrics.bootstrap import SegmentationResampler, vector_intervals
 
 ABSENT_RULE = ("classes absent from both labels and predictions are null and excluded from every mean "
@@ -131,6 +132,8 @@ class SegmentationMetrics(Metric):
     integer label maps [H, W] (replayed predictions), as a list or a stacked tensor; targets = B integer label
     maps [H, W] (any integer dtype); sample_ids int64 [B]. Raises ValueError for C < 1.
     """
+
+    meaning = Meaning(main=("mIoU",), precedence=20)
 
     def __init__(self, num_classes: int, ignore_index: int | None = 255, per_image: bool = True,
                  keep_predictions: bool = False):

@@ -16,6 +16,7 @@ from disteval.common.formatting import fmt
 from disteval.config import JobConfig, job_config
 from disteval.errors import ConfigError
 from disteval.metrics.base import Metric
+from disteval.metrics import meaning
 from disteval.metrics.bootstrap import SampleColumns
 
 _REGISTRY: dict[str, type["Task"]] = {}
@@ -116,9 +117,15 @@ class Task(abc.ABC):
 
     def main_metric(self, metrics: dict) -> str | None:
         """The key of ``metrics`` that states the run's result in one number (results.json
-        ``task.main_metric``; the doctor's sanity check looks for it). Default: the first of top1, AP, mIoU,
-        auroc_macro, accuracy that ``metrics`` holds, else None."""
-        return next((k for k in ("top1", "AP", "mIoU", "auroc_macro", "accuracy") if k in metrics), None)
+        ``task.main_metric``; the sweep summary, the trackers and the doctor's sanity check read it). Default:
+        by the metric classes' declarations (``Metric.meaning``, ``disteval.metrics.meaning.main_metric``), else
+        None."""
+        return meaning.main_metric(metrics)
+
+    def lower_is_better(self, metrics: dict) -> list[str]:
+        """The keys of ``metrics`` where a smaller value is better (results.json ``task.lower_is_better``: the
+        checkpoint table picks the best by it). Default: by the metric classes' declarations."""
+        return meaning.lower_is_better(metrics)
 
     @property
     def streamed(self) -> bool:
