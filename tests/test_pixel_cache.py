@@ -168,6 +168,9 @@ def test_a_damaged_part_is_named_by_digest_moved_aside_and_never_read(tree, tmp_
     with pytest.raises(DataError, match=r"rows 20\.\.47 have xxh3-128 [0-9a-f]{32}, the record says [0-9a-f]{32}"):
         cp.fetch_batch(list(range(24, 32)))
     assert not npy.exists() and (cache.parts_dir / f"20-{N}.npy.corrupt").exists()
+    # a later read of the same part (the loop after the canary's probe) says the same, not "file not found"
+    with pytest.raises(DataError, match=r"rows 20\.\.47 have xxh3-128 [0-9a-f]{32}, the record says"):
+        cp.fetch_batch(list(range(40, 44)))
     assert not cache.complete(N)  # the next run rebuilds the range
 
 
@@ -179,9 +182,23 @@ def test_a_truncated_part_is_named(tree, tmp_path):
     npy = cache.parts_dir / "0-20.npy"
     data = npy.read_bytes()
     npy.write_bytes(data[:len(data) // 2])
-    with pytest.raises(DataError, match="0-20.npy does not open"):
+    with pytest.raises(DataError, match=r"0-20.npy is truncated: [\d,]+ bytes, its record's uint8 \(20, 3, 64, 64\) "
+                                         r"needs more than 245,760"):
         CachedPixels(cache, N).fetch_batch([0, 1])
     assert not cache.complete(N)
+
+
+def test_a_damaged_part_record_or_a_missing_part_is_set_aside_named_and_built_again(tree, tmp_path):
+    cache, _ = _build(tree, tmp_path)
+    (cache.parts_dir / "0-20.json").write_text("{not json")
+    (cache.parts_dir / f"20-{N}.npy").unlink()
+    assert not cache.complete(N)
+    assert sorted(cache.damaged) == [f"{cache.parts_dir / '0-20.json'} does not load (JSONDecodeError: Expecting "
+                                     "property name enclosed in double quotes: line 1 column 2 (char 1))",
+                                     f"{cache.parts_dir / f'20-{N}.npy'} is missing (its record 20-{N}.json remains)"]
+    assert sorted(p.name for p in cache.parts_dir.iterdir()) == ["0-20.json.corrupt", "0-20.npy.corrupt",
+                                                                f"20-{N}.json.corrupt"]
+    assert not (cache.parts_dir / "0-20.json").exists()  # so a writer of [0, 20) is made again (pixel_dataset)
 
 
 def test_a_cache_of_other_files_or_another_transform_is_refused_naming_the_difference(tree, tmp_path):
@@ -194,6 +211,11 @@ def test_a_cache_of_other_files_or_another_transform_is_refused_naming_the_diffe
     (cache.folder / "manifest.json").write_text(json.dumps(bad))
     fresh, _ = _cache(tree, tmp_path)
     with pytest.raises(ConfigError, match=rf"data.cache: .* file {manifest['files'][7][0]}: class/size"):
+        fresh.ensure_manifest()
+    renamed = [c if i != 2 else c + "x" for i, c in enumerate(manifest["classes"])]
+    (cache.folder / "manifest.json").write_text(json.dumps(dict(manifest, classes=renamed)))
+    with pytest.raises(ConfigError, match=rf"classes: the cache has {CLASSES}, .* has {CLASSES}: 1 gone \(first: "
+                                          rf"\['{renamed[2]}'\]\), 1 new \(first: \['{manifest['classes'][2]}'\]\)"):
         fresh.ensure_manifest()
     bad = dict(manifest, settings=dict(manifest["settings"], crop_size=CROP + 1))
     (cache.folder / "manifest.json").write_text(json.dumps(bad))

@@ -2,9 +2,9 @@
 Fashion-MNIST shards written by scripts/make_shards.py, one sample broken (``on_decode_error=skip``). The run that
 builds the cache (W = 3, 2 loader workers) and the runs that read it (W = 1 and 2, 0 and 2 workers) give the
 streamed run's metrics and skipped samples (==); the parts record each sample's target, the skipped position and
-the xxh3-64 of the image bytes it was decoded from (checked against the tar here); a reading run with
-``on_decode_error=raise`` names the undecodable sample; a shard changed in place (same size, other bytes) is
-refused before any rank starts, naming the shard and the sample."""
+the xxh3-64 of the image and label bytes it came from (checked against the tar here; the skipped sample's too);
+a reading run with ``on_decode_error=raise`` names the undecodable sample; a shard changed in place (same size,
+another image byte, or another label) is refused before any rank starts, naming the shard and the sample."""
 from __future__ import annotations
 
 import importlib.util
@@ -72,11 +72,12 @@ def test_stream_cache_equals_streaming_and_a_changed_shard_is_refused(cli, shard
     records = {json.loads(p.read_text())["start"]: json.loads(p.read_text()) for p in (folder / "parts").glob("*.json")}
     assert sorted(records) == [0, 512, 896]  # one part per rank: 10 batches of 128 dealt 4, 3, 3
     rec = records[512]  # positions 512 .. 895: sample 600 was skipped, the rest carry targets and source digests
-    assert rec["end"] == 896 and rec["skipped"] == [600] and rec["sources"][600 - 512] is None
+    assert rec["end"] == 896 and rec["skipped"] == [600]
     with tarfile.open(shards / "fashion-mnist-test-000001.tar") as tar:
-        png = tar.extractfile("test-00000601.png").read()
-        cls = int(tar.extractfile("test-00000601.cls").read())
-    assert rec["sources"][601 - 512] == xxhash.xxh3_64(png).hexdigest() and rec["targets"][601 - 512] == cls
+        got = {n: tar.extractfile(f"test-00000{n}").read() for n in ("600.png", "600.cls", "601.png", "601.cls")}
+    assert rec["sources"][600 - 512] == xxhash.xxh3_64(got["600.png"] + b"\0" + got["600.cls"]).hexdigest()
+    assert rec["sources"][601 - 512] == xxhash.xxh3_64(got["601.png"] + b"\0" + got["601.cls"]).hexdigest()
+    assert rec["targets"][601 - 512] == int(got["601.cls"])
 
     for w, workers in ((1, 0), (2, 2)):
         proc, run_dir = cli(*_args(shards, cache, "data.cache=pixels", f"dist.world_size={w}",
@@ -99,3 +100,13 @@ def test_stream_cache_equals_streaming_and_a_changed_shard_is_refused(cli, shard
     said = " ".join((proc.stderr + proc.stdout).split())
     assert proc.returncode == 2, said[-3000:]
     assert f"file {shard} (sample 1100): xxh3-64 " in said and "same size, changed content" in said, said[-3000:]
+
+    # shard 0 relabelled in place: sample 5's .cls holds another digit (the image bytes are as they were)
+    shard = shards / "fashion-mnist-test-000000.tar"
+    member = _member(shard, "test-00000005.cls")
+    data = bytearray(shard.read_bytes())
+    data[member.offset_data] = ord("0") + (data[member.offset_data] - ord("0") + 1) % 10
+    shard.write_bytes(bytes(data))
+    proc, _ = cli(*_args(shards, cache, "data.cache=pixels"), env=env)
+    said = " ".join((proc.stderr + proc.stdout).split())
+    assert proc.returncode == 2 and f"file {shard} (sample 5): xxh3-64 " in said, said[-3000:]

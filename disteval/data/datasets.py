@@ -62,7 +62,8 @@ class IndexedDataset(Dataset):
             where = ""
             samples = getattr(self.base, "samples", None)
             if samples is not None:
-                where = f" (file {samples[index][0]})"
+                cached = hasattr(self.base, "cache")  # CachedPixels: the file's pixels, read from the pixel cache
+                where = f" ({'the pixels of ' if cached else ''}file {samples[index][0]}{', from the pixel cache' if cached else ''})"
             raise DataError(f"cannot load sample id {index}{where}: {type(exc).__name__}: {exc}") from exc
         if isinstance(y, torch.Tensor) and y.ndim > 0:  # multi-hot targets [C] of a multi-label dataset
             return x, y.long(), index

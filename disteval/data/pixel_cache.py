@@ -137,6 +137,7 @@ class PixelCache:
     def __init__(self, folder: Path, manifest: dict, source_bytes: Callable[[int], Iterator[tuple[int, bytes]]]):
         self.folder, self.manifest, self.source_bytes = folder, manifest, source_bytes
         self.shape = tuple(int(v) for v in manifest["shape"])
+        self.damaged: list[str] = []  # parts set aside by ``parts`` (said by the driver's preflight line)
 
     @property
     def parts_dir(self) -> Path:
@@ -158,7 +159,11 @@ class PixelCache:
             if have.get("settings", {}).get(k) != v:
                 return f"preprocessing {k}: the cache has {have.get('settings', {}).get(k)!r}, this run {v!r}"
         if have.get("classes") != want["classes"]:
-            return f"classes: the cache has {len(have.get('classes') or [])}, {want['root']} has {len(want['classes'])}"
+            old, new = list(have.get("classes") or []), list(want["classes"])
+            gone, added = [c for c in old if c not in new], [c for c in new if c not in old]
+            what = (f"{len(gone)} gone (first: {gone[:1]}), {len(added)} new (first: {added[:1]})" if gone or added
+                    else "the same names in another order")
+            return f"classes: the cache has {len(old)}, {want['root']} has {len(new)}: {what}"
         if have.get("files_digest") != want["files_digest"]:
             old = {f[0]: f for f in have.get("files", [])}
             new = {f[0]: f for f in want["files"]}
@@ -235,7 +240,8 @@ class PixelCache:
 
     # --- parts ----------------------------------------------------------------------------------------------------
     def parts(self) -> list[Part]:
-        """The published parts (a record and its .npy), in no particular order."""
+        """The published parts (a record and its .npy), in no particular order. A record that does not load, or
+        whose .npy is gone, is moved aside (``*.corrupt``, named in ``damaged``) so that the range is built again."""
         out = []
         if not self.parts_dir.is_dir():
             return out
@@ -243,10 +249,24 @@ class PixelCache:
             npy = rec.with_suffix(".npy")
             try:
                 meta = json.loads(rec.read_text())
-                out.append(Part(int(meta["start"]), int(meta["end"]), npy, meta))
-            except (OSError, ValueError, KeyError):
+                part = Part(int(meta["start"]), int(meta["end"]), npy, meta)
+            except (ValueError, KeyError, TypeError) as exc:
+                self._set_aside(rec, f"{rec} does not load ({type(exc).__name__}: {exc})")
                 continue
+            except OSError:  # removed meanwhile (another process set it aside)
+                continue
+            if not npy.exists():
+                self._set_aside(rec, f"{npy} is missing (its record {rec.name} remains)")
+                continue
+            out.append(part)
         return out
+
+    def _set_aside(self, rec: Path, why: str) -> None:
+        for f in (rec, rec.with_suffix(".npy")):
+            with contextlib.suppress(OSError):
+                os.replace(f, f.with_name(f.name + ".corrupt"))
+        if why not in self.damaged:
+            self.damaged.append(why)
 
     def cover(self, n: int) -> list[Part] | None:
         """Parts that cover samples [0, n) end to end (at each position the part reaching furthest), or None
@@ -265,8 +285,17 @@ class PixelCache:
         return (self.folder / "manifest.json").exists() and self.difference() is None and self.cover(n) is not None
 
 
+def _shared_mode(path: str | Path) -> None:
+    """The mode a plain ``open`` would give (0666 less the umask), not mkstemp's 0600: a cache in a shared
+    ``data.cache_dir`` is read by other users' jobs."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    _shared_mode(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -289,6 +318,7 @@ class PartWriter:
         cache.parts_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parts_dir, prefix=f".{start}-{end}.", suffix=".npy.tmp")
         os.close(fd)
+        _shared_mode(tmp)
         self.tmp = Path(tmp)
         self.rows = np.lib.format.open_memmap(self.tmp, mode="w+", dtype=np.uint8,
                                               shape=(self.end - self.start, *cache.shape))
@@ -379,27 +409,41 @@ class CachedPixels:
         self.starts = np.array([p.start for p in parts])
         self._arrays: dict[int, np.ndarray] = {}
         self._checked: set[tuple[int, int]] = set()
+        self._failed: dict[int, str] = {}  # part index -> why it was set aside (said again on every later read)
 
     def __len__(self) -> int:
         return self.n
 
     def _array(self, k: int) -> np.ndarray:
+        if k in self._failed:
+            raise DataError(self._failed[k])
         arr = self._arrays.get(k)
         if arr is None:
             p = self.parts[k]
             want = (p.end - p.start, *self.cache.shape)
             try:
                 arr = np.load(p.npy, mmap_mode="r")
+            except FileNotFoundError as exc:
+                aside = p.npy.with_name(p.npy.name + ".corrupt").exists()
+                self._fail(k, f"pixel cache part {p.npy} is gone" + (
+                    ": another process of this run found it damaged and moved it aside (its error says how)"
+                    if aside else f" ({exc}); the next run rebuilds it"))
             except (OSError, ValueError) as exc:
-                self._quarantine(p)
-                raise DataError(f"pixel cache part {p.npy} does not open ({type(exc).__name__}: {exc}): moved aside, "
-                                "the next run rebuilds it") from exc
+                size, need = p.npy.stat().st_size, int(np.prod(want))
+                why = (f"is truncated: {size:,} bytes, its record's uint8 {want} needs more than {need:,}"
+                       if size < need else f"does not open ({type(exc).__name__}: {exc})")
+                self._fail(k, f"pixel cache part {p.npy} {why}: moved aside, the next run rebuilds it")
             if arr.shape != want or arr.dtype != np.uint8:
-                self._quarantine(p)
-                raise DataError(f"pixel cache part {p.npy} holds {arr.dtype} {arr.shape}, its record says uint8 {want}: "
-                                "moved aside, the next run rebuilds it")
+                self._fail(k, f"pixel cache part {p.npy} holds {arr.dtype} {arr.shape}, its record says uint8 {want}: "
+                              "moved aside, the next run rebuilds it")
             self._arrays[k] = arr
         return arr
+
+    def _fail(self, k: int, message: str) -> None:
+        """Set part k aside, remember why (a later read of it says the same) and raise DataError."""
+        self._failed[k] = message
+        self._quarantine(self.parts[k])
+        raise DataError(message)
 
     def _check(self, k: int, row_lo: int, row_hi: int) -> None:
         """Verify the digests of part k's blocks holding local rows [row_lo, row_hi) not yet checked."""
@@ -411,10 +455,9 @@ class CachedPixels:
             want = p.meta["block_digests"][blk]
             got = _xxh3_128(np.ascontiguousarray(arr[blk * b:(blk + 1) * b]).data)
             if got != want:
-                self._quarantine(p)
-                raise DataError(f"pixel cache part {p.npy}: rows {p.start + blk * b}..{min(p.end, p.start + (blk + 1) * b) - 1}"
-                                f" have xxh3-128 {got}, the record says {want} (the file was changed or damaged): "
-                                "moved aside, the next run rebuilds it; these bytes were not used as pixels")
+                self._fail(k, f"pixel cache part {p.npy}: rows {p.start + blk * b}..{min(p.end, p.start + (blk + 1) * b) - 1}"
+                              f" have xxh3-128 {got}, the record says {want} (the file was changed or damaged): "
+                              "moved aside, the next run rebuilds it; these bytes were not used as pixels")
             self._checked.add((k, blk))
 
     def _quarantine(self, p: Part) -> None:

@@ -75,8 +75,9 @@ def preflight_cache(data: Any) -> str | None:
         read = cache.check_contents(n, everything=str(data.cache_verify) == "content")
         checked = f" ({read} files' bytes compared with the digests recorded at build)" if read else ""
         return f"data.cache=pixels: reading the pixels of {n} {what} from {cache.folder}{checked}"
+    aside = f" (damaged parts set aside, built again: {'; '.join(cache.damaged)})" if cache.damaged else ""
     return (f"data.cache=pixels: this run decodes the {n} {what} and builds the pixel cache {cache.folder} "
-            "as it goes; later runs of the same data and transform read it")
+            f"as it goes{aside}; later runs of the same data and transform read it")
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ parts: ``uint8 [b - a, C, H, W]`` of global positions a .. b-1) and read back as
 (``x.to(float32) / 255`` is the same correctly rounded IEEE division). Each part's record also holds the
 targets and the positions skipped by ``on_decode_error=skip`` (a reading run with ``raise`` names such a sample
 as the streamed run would). The manifest lists the shards (url, samples, size, digest of their keys) and each
-shard's mtime; ``check_contents`` reads a shard whose mtime changed and compares its images' bytes with the
+shard's mtime; ``check_contents`` reads a shard whose mtime changed and compares each sample's image and target
+bytes (``wds_stream.source_bytes``, skipped samples included) with the
 digests recorded at build.
 
 Every sample must have the shape of the first sample (the shards of a classification stream do: a batch
@@ -25,7 +26,7 @@ import torch
 from disteval.data.index import local_path
 from disteval.data.pixel_cache import FORMAT, CachedPixels, PartWriter, PixelCache, _digest, builder, cache_folder
 from disteval.data.stream_plan import ConsumerPlan, ShardRange
-from disteval.data.wds_stream import IMAGE_FIELDS, ShardStream, StreamBatch, read_range, sample_name
+from disteval.data.wds_stream import ShardStream, StreamBatch, read_range, sample_name, source_bytes
 from disteval.errors import DataError
 
 __all__ = ["CachedStream", "StreamPartWriter", "attach_cache", "stream_cache"]
@@ -66,15 +67,13 @@ def stream_cache(data: Any, source: Any) -> PixelCache:
                 "classes": [], "num_samples": len(source), "shape": shape, "dtype": "uint8", "unit": "shard",
                 "files_digest": _digest(files), "files": files, "mtimes": [s.mtime_ns for s in source.shards]}
 
-    def source_bytes(i: int) -> Iterator[tuple[int, bytes]]:
+    def sample_bytes(i: int) -> Iterator[tuple[int, bytes]]:
         shard = source.shards[i]
         rng = ShardRange(i, 0, shard.num_samples, source.starts[i])
         for j, raw in enumerate(read_range(shard, rng)):
-            field = next((f for f in IMAGE_FIELDS if f in raw), None)
-            if field is not None:
-                yield rng.position + j, raw[field]
+            yield rng.position + j, source_bytes(raw, str(data.target_field))
 
-    return PixelCache(folder, manifest, source_bytes)
+    return PixelCache(folder, manifest, sample_bytes)
 
 
 class StreamPartWriter(PartWriter):
@@ -93,10 +92,12 @@ class StreamPartWriter(PartWriter):
     def __call__(self, batch: Any) -> None:
         if self.broken or not isinstance(batch, StreamBatch):
             return
-        for p in batch.skipped.tolist():
+        skipped_digests = batch.skipped_digests.tolist() if batch.skipped_digests is not None else None
+        for j, p in enumerate(batch.skipped.tolist()):
             if self.start <= p < self.end:
                 self.skipped.append(p)
                 self.written[p - self.start] = True
+                self.digests[p - self.start] = skipped_digests[j] if skipped_digests else None
         if batch.inputs is None:
             return
         x, ids = batch.inputs, batch.sample_ids
@@ -143,7 +144,7 @@ class CachedStream(ShardStream):
                 self.targets[part.start + j] = y
             self.skipped_at.update(int(p) for p in part.meta.get("skipped") or [])
 
-    def items(self, plan: ConsumerPlan) -> Iterator[tuple[int, tuple | None]]:
+    def items(self, plan: ConsumerPlan) -> Iterator[tuple[int, tuple | None, None]]:
         for rng in plan.ranges:
             lo, hi = rng.position, rng.position + len(rng)
             for pos0, rows in self._chunks(lo, hi):
@@ -155,9 +156,9 @@ class CachedStream(ShardStream):
                             url, key = sample_name(self.shards, self.starts, pos)
                             raise DataError(f"shard {url}, key {key!r}: did not decode when the pixel cache "
                                             f"{self.pixels.cache.folder} was built (data.on_decode_error=skip then)")
-                        yield pos, None
+                        yield pos, None, None
                         continue
-                    yield pos, (floats[j], self.targets[pos], sample_name(self.shards, self.starts, pos), None)
+                    yield pos, (floats[j], self.targets[pos], sample_name(self.shards, self.starts, pos)), None
 
     def _chunks(self, lo: int, hi: int, rows: int = 256) -> Iterator[tuple[int, np.ndarray]]:
         pos = lo

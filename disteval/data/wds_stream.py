@@ -84,6 +84,19 @@ def stack_inputs(inputs: list[torch.Tensor], names: list[tuple[str, str]], batch
     return torch.stack(inputs)
 
 
+def source_bytes(raw: dict, target_field: str) -> bytes:
+    """The bytes a raw sample's input and target come from, whose xxh3-64 a pixel cache records: its image
+    field's bytes, a NUL, its target field's bytes (a missing field counts as empty)."""
+    image = next((raw[f] for f in IMAGE_FIELDS if f in raw), b"")
+    return bytes(image) + b"\0" + bytes(raw.get(target_field, b""))
+
+
+def _digest(raw: dict, target_field: str) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(source_bytes(raw, target_field)) - (1 << 63)
+
+
 def sample_name(shards: Sequence[ShardInfo], starts: Sequence[int], position: int) -> tuple[str, str]:
     """``(url, key)`` of a global position."""
     from disteval.data.stream_plan import locate
@@ -192,7 +205,8 @@ class StreamBatch(NamedTuple):
     skipped: torch.Tensor
     worker: int
     batch: int
-    digests: Any = None  # int64 [b]: xxh3-64 of each sample's image bytes (a pixel cache being built), else None
+    digests: Any = None  # int64 [b]: xxh3-64 of each sample's ``source_bytes`` (a pixel cache being built), else None
+    skipped_digests: Any = None  # int64 [s]: the same of each skipped sample, else None
 
 
 @dataclass(frozen=True)
@@ -203,7 +217,8 @@ class SampleFormat:
     transform: decoded image -> input tensor; None means ``to_float_chw`` (float32 [C, H, W] in [0, 1]).
     target_field: ``cls`` (int class index) or ``txt`` (str caption, image-text pairs).
     on_decode_error: ``raise`` (DataError naming shard, key and field) or ``skip`` (counted in ``skipped``).
-    source_digests: batches carry the xxh3-64 of each sample's image bytes (``StreamBatch.digests``).
+    source_digests: batches carry the xxh3-64 of each sample's ``source_bytes`` (``StreamBatch.digests``,
+    ``skipped_digests``).
     Raises ValueError for an unknown target field or policy.
     """
     image_mode: str = "rgb8"
@@ -272,28 +287,24 @@ class ShardStream(IterableDataset):
             target = bytes(target).decode("utf-8")
         return self.transform(sample[image_field]), target
 
-    def items(self, plan: ConsumerPlan) -> Iterator[tuple[int, tuple | None]]:
-        """``(position, (input, target, (url, key), digest or None))`` of each sample of ``plan`` in order, or
-        ``(position, None)`` for one skipped by ``on_decode_error=skip``."""
+    def items(self, plan: ConsumerPlan) -> Iterator[tuple[int, tuple | None, int | None]]:
+        """``(position, (input, target, (url, key)), digest)`` of each sample of ``plan`` in order; the item is
+        None for a sample skipped by ``on_decode_error=skip``; the digest (``source_bytes``' xxh3-64, int64) is
+        None unless ``fmt.source_digests``."""
         decoder = self._decoder()
         digests = self.fmt.source_digests
         for rng in plan.ranges:
             for i, raw in enumerate(read_range(self.shards[rng.shard], rng, self.bytes_read)):
                 pos = rng.position + i
+                digest = _digest(raw, self.target_field) if digests else None
                 try:
                     x, y = self._item(decoder, raw)
                 except DataError:
                     if self.on_decode_error == "raise":
                         raise
-                    yield pos, None
+                    yield pos, None, digest
                     continue
-                digest = None
-                if digests:
-                    import xxhash
-
-                    field = next(f for f in IMAGE_FIELDS if f in raw)
-                    digest = xxhash.xxh3_64_intdigest(raw[field]) - (1 << 63)
-                yield pos, (x, y, (raw["__url__"], raw["__key__"]), digest)
+                yield pos, (x, y, (raw["__url__"], raw["__key__"])), digest
 
     def iter_worker(self, worker: int) -> Iterator[StreamBatch]:
         """The batches of consumer ``worker`` of this rank (callable without a DataLoader: tests simulate
@@ -302,10 +313,11 @@ class ShardStream(IterableDataset):
         b, aligned, origin = self.batch_size, plan.batch_size is not None, plan.start
         pending: list[tuple[int, Any, Any, tuple[str, str], Any]] = []  # (position, input, target, (url, key), digest)
         skipped: list[int] = []
+        skipped_digests: list[int | None] = []
         current = None  # the batch index of ``pending`` / ``skipped``
 
         def emit():
-            nonlocal pending, skipped
+            nonlocal pending, skipped, skipped_digests
             where = f"global batch {current}" if aligned else f"the batch from sample position {current}"
             digests = [d for *_, d in pending]
             out = StreamBatch(stack_inputs([x for _, x, *_ in pending], [n for *_, n, _ in pending], where)
@@ -314,11 +326,13 @@ class ShardStream(IterableDataset):
                                if self.target_field == "cls" else [y for _, _, y, *_ in pending]),
                               torch.tensor([p for p, *_ in pending], dtype=torch.int64),
                               torch.tensor(skipped, dtype=torch.int64), worker, current,
-                              torch.tensor(digests, dtype=torch.int64) if pending and digests[0] is not None else None)
-            pending, skipped = [], []
+                              torch.tensor(digests, dtype=torch.int64) if pending and digests[0] is not None else None,
+                              torch.tensor(skipped_digests, dtype=torch.int64)
+                              if skipped and skipped_digests[0] is not None else None)
+            pending, skipped, skipped_digests = [], [], []
             return out
 
-        for pos, item in self.items(plan):
+        for pos, item, digest in self.items(plan):
             batch = pos // b if aligned else origin + (pos - origin) // b * b
             if batch != current:
                 if pending or skipped:
@@ -326,7 +340,8 @@ class ShardStream(IterableDataset):
                 current = batch
             if item is None:
                 skipped.append(pos)
+                skipped_digests.append(digest)
             else:
-                pending.append((pos, *item))
+                pending.append((pos, *item, digest))
         if pending or skipped:
             yield emit()
