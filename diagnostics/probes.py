@@ -164,7 +164,7 @@ def run_probes(run, out_dir: Path) -> dict:
     from omegaconf import OmegaConf
 
     from disteval.errors import RankFailedError
-    from launchers.local import launch
+    from launchers.local import Placement, launch
 
     if run.config is None:
         raise ValueError(f"{run.path}/.hydra/config.yaml is missing: the probes need the run's configuration")
@@ -181,7 +181,7 @@ def run_probes(run, out_dir: Path) -> dict:
             _launch_submitit(run, kind, container, out_dir, payload, size)
         else:
             launch(probe_entry, (container, str(out_dir), payload), size, str(out_dir),
-                   str(container["dist"].get("master_addr", "127.0.0.1")), 0)
+                   Placement(str(container["dist"].get("master_addr", "127.0.0.1")), 0))
     except RankFailedError as exc:
         result = {"error": str(exc), "culprit": exc.rank}
     except Exception as exc:  # noqa: BLE001 - a failed submitit job: its error is the finding
