@@ -18,6 +18,7 @@ the blamed rank (a signal sent to it alone). Records without heartbeat fields (o
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from disteval.common.liveness import beat_lag
@@ -85,10 +86,15 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
                       and s.get("phase") in STALL_PHASES and not waiting_in_collective(s, latest)),
                      key=lambda r: (float(records[r].get("t_progress") or records[r].get("t_update") or 0.0), r))
     if errors and stalled:
+        first = sorted(errors)[0][2]["error"]
+        if _PEER_CLOSED.search(str(first.get("message"))):
+            # a peer's connection was closed: a process died (a timeout is what a late rank causes); of the ranks
+            # without an error, the one whose heartbeat ended first died first (its node-mates beat on until
+            # their launcher stopped them)
+            stalled.sort(key=lambda r: (float(records[r].get("t_heartbeat") or 0.0), r))
         r = stalled[0]
         s = records[r]
-        first = sorted(errors)[0][2]["error"]
-        if late_not_stalled(s, first):
+        if late_not_stalled(s, first) and not _PEER_CLOSED.search(str(first.get("message"))):
             return Culprit(r, late_message(r, s, sorted(errors)[0][1], first))
         return Culprit(r, f"rank {r} stopped making progress without recording an error ({recorded_progress(s)}): "
                           f"it died or hung, and its peers failed waiting for it "
@@ -115,6 +121,7 @@ def _slowest_or_first(records: dict[int, dict | None], errors: list, deaths: dic
         f"rank {r} {how}" for r, how in sorted(deaths.items())) if deaths else "the run failed")
 
 
+_PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|ECONNRESET|Broken pipe", re.I)
 STALL_PHASES = ("init", "data", "forward", "sync")  # where a rank without an error can keep its peers waiting
 
 
