@@ -68,7 +68,7 @@ def worker(spec: dict) -> dict:
 
     from disteval import precision as prec
     from disteval.common.allocator import in_force
-    from disteval.loop import ShardSpec, evaluate_shard
+    from disteval.rank.loop import ShardSpec, evaluate_shard
     from disteval.metrics import check_coverage
     from disteval.metrics.evaluator import Evaluator
     from disteval.tasks import resolve_task

@@ -84,7 +84,7 @@ def disteval_worker(gt_path: str, dt_path: str, iou_type: str) -> dict:
     from disteval.metrics.coco_eval import STAT_NAMES as NAMES
     from disteval.metrics.detection import CocoDetectionMetric
     from disteval.metrics.evaluator import Evaluator
-    from disteval.sync import synchronise
+    from disteval.rank.sync import synchronise
 
     env = RankEnv.from_env()
     torch.set_num_threads(1)

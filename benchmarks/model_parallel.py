@@ -4,7 +4,7 @@ two) and dp_shard=4 (FSDP2: parameters sharded in four, all-gathered layer by la
 
     python benchmarks/model_parallel.py [--samples 256] [--batch-size 16] [--repeats 3] [--smoke]
 
-One group of 4 real ranks builds the three meshes in turn (``disteval.comm.mesh``, ``disteval.parallel``) and
+One group of 4 real ranks builds the three meshes in turn (``disteval.comm.mesh``, ``disteval.rank.parallel``) and
 evaluates the same generated images with each, exactly as ``python -m disteval dist.parallel.*`` does (exact
 shards over the data-parallel ranks, planned dummy steps, TP check, one sync over the dp group). Per layout:
 images/s of the whole group (N / slowest rank's loop time, median over ``--repeats`` rounds, layouts
@@ -85,11 +85,11 @@ def _pass(model, groups, dataset, batch: int) -> dict:
 
     from disteval.comm import Communicator
     from disteval.data.sharding import lockstep_plan
-    from disteval.loop import ShardSpec, evaluate_shard
+    from disteval.rank.loop import ShardSpec, evaluate_shard
     from disteval.metrics import ClassificationMetrics, check_coverage
     from disteval.metrics.evaluator import Evaluator
-    from disteval.parallel import first_inputs
-    from disteval.sync import check_tp_peers, synchronise
+    from disteval.rank.parallel import first_inputs
+    from disteval.rank.sync import check_tp_peers, synchronise
 
     d = groups.dims
     plan = lockstep_plan(len(dataset), batch, d.dp_replicate, d.dp_shard)
@@ -115,7 +115,7 @@ def bench_worker(samples: int, batch: int, repeats: int, vit: dict) -> dict:
     from disteval.comm import RankEnv, destroy_process_group, init_process_group
     from disteval.comm.mesh import ParallelDims, build_mesh
     from disteval.data import IndexedDataset
-    from disteval.parallel import parallel_model
+    from disteval.rank.parallel import parallel_model
 
     env = RankEnv.from_env()
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ arrives (seconds since the process was started), and prints per run the first li
 Checked, and the benchmark exits 1 naming the problem (never on a
 time): every run exits 0, prints a first line, records every phase, writes results.json whose ranks evaluated
 every sample once (coverage ok, per-rank samples add up to the dataset's size), and every module imports.
-``--smoke``: 1 run and the import time of disteval.cli only (seconds).
+``--smoke``: 1 run and the import time of disteval.driver.cli only (seconds).
 
 ``--cold-cache`` gives every run an empty ``DISTEVAL_CACHE_DIR`` (the digits split is then built with
 scikit-learn in every rank, as on a machine's first run). Then (unless ``--no-imports``) the import time of the
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-IMPORTS = ("disteval.cli", "disteval.engine", "torch", "hydra", "torchvision")
+IMPORTS = ("disteval.driver.cli", "disteval.rank.engine", "torch", "hydra", "torchvision")
 
 
 def _reader(stream, name: str, t0: float, lines: list) -> None:
@@ -210,7 +210,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-imports", action="store_true", help="skip the per-module import times")
     ap.add_argument("--cold-cache", action="store_true", help="an empty DISTEVAL_CACHE_DIR for every run")
-    ap.add_argument("--smoke", action="store_true", help="1 run, import time of disteval.cli only (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="1 run, import time of disteval.driver.cli only (seconds)")
     args, overrides = ap.parse_known_args()
     if args.smoke:
         args.repeats = 1

@@ -13,7 +13,7 @@ not counted as sync), and the naive/one-shot wall-time ratio, all measured in th
 naive: after every batch, one all_reduce of that batch's [count, top-1 correct, top-5 correct] (what
 per-batch-synchronising evaluators do), plus the end-of-run state sync; ranks with fewer batches issue the
 missing all_reduces so the collectives match. one-shot: no collective until the end, then
-``disteval.sync.synchronise`` (one all_reduce per dtype + two small gathers).
+``disteval.rank.sync.synchronise`` (one all_reduce per dtype + two small gathers).
 
 Checked, and the benchmark exits 1 naming the mismatch (never on a time): on every rank and in every round
 both modes give the same synchronised counts, the count equals the dataset's size, and the naive mode issues
@@ -67,9 +67,9 @@ def _counts(metric) -> torch.Tensor:
 def _run_mode(mode: str, model, dataset, task, env, max_batches: int) -> dict:
     """One evaluation + sync in ``mode`` (naive or oneshot) on this rank: times, collectives, synced counts."""
     from disteval.comm import Communicator
-    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.rank.loop import CallbackHook, ShardSpec, evaluate_shard
     from disteval.metrics.evaluator import Evaluator
-    from disteval.sync import synchronise
+    from disteval.rank.sync import synchronise
 
     comm = Communicator()
     ev = Evaluator(task.metric())

@@ -25,7 +25,7 @@ of methods run in separate processes would attribute to the methods.
 - ``bare``: the shard's images and labels already in memory as batches (views of one tensor), then
   ``with torch.inference_mode(): for x, y in batches: correct += (model(x).argmax(1) == y).sum()``, and at
   W > 1 a single all_reduce of [count, correct] at the end;
-- ``disteval``: the loop of ``python -m disteval``: ``disteval.engine.RankRun.trial()`` (its DataLoader over
+- ``disteval``: the loop of ``python -m disteval``: ``disteval.rank.engine.RankRun.trial()`` (its DataLoader over
   the dataset, the classification task's step and metric in the Evaluator, the status/progress/guard/fault
   hooks, the watchdog thread, and the final synchronisation, coverage check and compute on rank 0), with
   ``eval.progress=false``;
@@ -248,11 +248,11 @@ def child(args) -> None:
     passes, finish = {}, []
 
     if "disteval" in methods:  # disteval's own bootstrap creates the process group the other methods reuse
-        from disteval.bootstrap import apply_compute_settings, connect, open_records
+        from disteval.rank.bootstrap import apply_compute_settings, connect, open_records
         from disteval.comm import RankEnv, destroy_process_group
         from disteval.common.liveness import beat_interval, heartbeat_timeout
-        from disteval.engine import RankRun
-        from disteval.watchdog import Watchdog
+        from disteval.rank.engine import RankRun
+        from disteval.rank.watchdog import Watchdog
 
         class Run(RankRun):
             def evaluator(self):  # keeps the trial's evaluator, for the exact synced counts

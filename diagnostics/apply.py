@@ -205,7 +205,7 @@ def _load_history(doctor_dir: Path) -> list[dict]:
 
 
 def _save_history(doctor_dir: Path, attempts: list[dict]) -> None:
-    from disteval.records import atomic_write_json
+    from disteval.job.records import atomic_write_json
 
     atomic_write_json(doctor_dir / "attempts.json", attempts)
 

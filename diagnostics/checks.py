@@ -22,7 +22,7 @@ from typing import Callable
 from disteval.common.liveness import beat_lag, stale_after
 from disteval.common.ranges import batch_aligned_bounds, shard_bounds
 from disteval.metrics.robust import OUTLIER_Z, rank_outliers
-from disteval.records import is_network_error, recorded_progress
+from disteval.job.records import is_network_error, recorded_progress
 from launchers.culprit import is_consequence
 
 from diagnostics.compare import compare_runs, summary

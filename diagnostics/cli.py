@@ -133,9 +133,9 @@ def _input_bound(diag):
 
 
 def write_html(path: Path, entry: dict, console: Console) -> Path | None:
-    """RUN_DIR/doctor/report.html of one diagnosis (``disteval.htmlreport.write_doctor_report``), its path printed;
+    """RUN_DIR/doctor/report.html of one diagnosis (``disteval.job.htmlreport.write_doctor_report``), its path printed;
     a failure to write it is a warning, never the doctor's exit code."""
-    from disteval.htmlreport import write_doctor_report
+    from disteval.job.htmlreport import write_doctor_report
 
     try:
         out = write_doctor_report(path, entry, STATES)

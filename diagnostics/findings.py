@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disteval.records import INTERRUPT_TYPES
+from disteval.job.records import INTERRUPT_TYPES
 from launchers.culprit import culprit_from_records
 
 from diagnostics.evidence import Evidence, Run, traceback_frame

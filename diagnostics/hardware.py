@@ -6,7 +6,7 @@ each numeric class, the settings that differ, the drift measured on the probe, a
 measures (``canary_effect``)."""
 from __future__ import annotations
 
-from disteval.canary import describe
+from disteval.rank.canary import describe
 
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import Finding

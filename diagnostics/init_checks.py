@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from disteval.faults import parse as parse_faults
 from disteval.common.liveness import DRIVER_HEARTBEAT_S
-from disteval.records import is_network_error, recorded_progress
+from disteval.job.records import is_network_error, recorded_progress
 from launchers.culprit import CONSEQUENCE_TYPES, is_consequence
 
 from diagnostics.evidence import Evidence, Run

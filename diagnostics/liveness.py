@@ -18,7 +18,7 @@ from pathlib import Path
 from disteval.common.liveness import stale_after
 from disteval.common.netif import node_id
 from disteval.common.liveness import process_state
-from disteval.records import boot_id
+from disteval.job.records import boot_id
 
 from diagnostics.evidence import Evidence
 

@@ -1,5 +1,5 @@
 """Checks of a run under a device mesh (``dist.parallel``: dp_replicate x dp_shard x tp), from the ranks'
-``parallel`` status records (``disteval.parallel.MeshRun.status_record``), results.json ``parallel`` and the
+``parallel`` status records (``disteval.rank.parallel.MeshRun.status_record``), results.json ``parallel`` and the
 ranks' errors:
 
 - SHARDS/mesh: the exact shard of every data-parallel rank (batches, samples; TP peers share theirs), and the

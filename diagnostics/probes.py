@@ -79,14 +79,14 @@ def _task_probes(cfg, env) -> dict:
     """Shard balance and cross-rank drift through the run's Task (``disteval.tasks``): its dataset, model,
     collate and step, so every task family is probed alike. Each rank times two batches of its own exact shard;
     the canary is the dataset's first ``CANARY`` samples through the task's step on every rank, its outputs
-    flattened (``disteval.canary.output_tensors``) and compared with the reference (the element-wise median over
+    flattened (``disteval.rank.canary.output_tensors``) and compared with the reference (the element-wise median over
     ranks at W >= 3, else rank 0): max |difference| and, for logits [B, C], argmax disagreements. Streamed data
     (no sample every rank can index) gives ``{"balance": {"skipped": why}}``."""
     import torch
     import torch.distributed as dist
     from torch.utils.data import default_collate
 
-    from disteval.canary import output_tensors
+    from disteval.rank.canary import output_tensors
     from disteval.common.ranges import batch_aligned_bounds, shard_bounds
     from disteval.data.streaming import StreamSource
     from disteval.faults import FaultPlan
@@ -152,7 +152,7 @@ def _drift(flat, tensors: list, world_size: int, batch: int) -> dict:
 
 
 def _write(out_dir: str, out: dict) -> None:
-    from disteval.records import atomic_write_json, json_safe
+    from disteval.job.records import atomic_write_json, json_safe
 
     atomic_write_json(Path(out_dir) / "probe.json", json_safe(out))
 

@@ -1,4 +1,4 @@
-"""``python -m disteval [overrides]``: see ``disteval.cli`` (the Hydra task lives in an importable module so
+"""``python -m disteval [overrides]``: see ``disteval.driver.cli`` (the Hydra task lives in an importable module so
 that submitit can pickle it by reference).
 
 The first console line goes out before torch and Hydra load (seconds); nothing heavy is imported at module
@@ -17,7 +17,7 @@ def entry() -> None:
     try:
         if not startup.info_request(sys.argv[1:]):
             startup.progress("starting: importing torch and Hydra, then composing the config")
-        from disteval.cli import main
+        from disteval.driver.cli import main
 
         main()
     except SystemExit as exc:

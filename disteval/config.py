@@ -684,7 +684,7 @@ class EvalConfig:
     record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
     partials) for ``python -m diagnostics compare``. overwrite: a run directory that holds a finished run's
     results.json is refused unless true; then the old records (results, ranks/, .hydra/, logs) are moved to
-    RUN_DIR/previous/<time>-<pid>/ first (``disteval.rundir``). compile: ``torch.compile`` the model (opt-in;
+    RUN_DIR/previous/<time>-<pid>/ first (``disteval.job.rundir``). compile: ``torch.compile`` the model (opt-in;
     ``dynamic=False``, so every rank compiles the same static kernels for each batch shape, whatever its shard;
     the first batch, which compiles, is timed apart as results.json ``throughput.warmup_s`` and left out of
     the images/s). compile_mode: torch.compile's mode (default | reduce-overhead | max-autotune |

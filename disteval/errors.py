@@ -130,7 +130,7 @@ class CollectiveTimeout(DistevalError, TimeoutError):
 
 
 class NumericDriftError(DistevalError):
-    """The canary (``disteval.canary``) found ranks computing different bits on the same probe batch and
+    """The canary (``disteval.rank.canary``) found ranks computing different bits on the same probe batch and
     ``dist.heterogeneous`` is ``refuse``, or ``pin`` could not make them agree. ``record`` is the canary's record
     (numeric classes: ranks, nodes, differing settings, measured drift)."""
 

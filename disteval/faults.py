@@ -27,10 +27,10 @@ The doctor's tests (and anyone rehearsing an incident) set the environment varia
                                                    CUDA (set after the compute settings): a GPU of another
                                                    generation, or a node configured otherwise
     DISTEVAL_FAULTS="preempt@*:batch=3"            after its 3rd batch every rank receives the checkpoint signal
-                                                   (SUBMITIT_PREEMPT_SIGNAL, USR2 by default) as SLURM sends it
-                                                   before a preemption: inside a SLURM job the rank's
-                                                   PreemptionGuard saves its checkpoint and hands the signal on
-                                                   (submitit requeues the job); elsewhere the signal's default
+                                                   (DISTEVAL_PREEMPT_SIGNAL, USR2 by default) as a scheduler
+                                                   sends it before a preemption: in a requeueing launcher's job
+                                                   the rank's PreemptionGuard saves its checkpoint and hands the
+                                                   signal on (the job is requeued); elsewhere the signal's default
                                                    action ends the process
 
 Nothing happens when the variable is unset. A malformed value, or a rank outside the world size, raises
@@ -53,7 +53,7 @@ from torch.utils.data import default_collate, get_worker_info
 from disteval.common import drills
 from disteval.common.drills import simulate_full_disk
 from disteval.common.kernels import ENV as CAPABILITY_ENV
-from disteval.resume import checkpoint_signal
+from disteval.common.launch_env import preempt_signal
 
 ENV = drills.ENV
 KINDS = {"kill": {"batch"}, "delay": {"batch", "seconds", "sync"}, "noise": {"std"}, "weights": {"std"},
@@ -196,7 +196,7 @@ class FaultPlan:
     def on_batch(self, batches_done: int) -> None:
         """After batch ``batch``: ``kill`` SIGKILLs this process, ``stop`` SIGSTOPs it, ``delay`` sleeps
         ``seconds``, ``error`` raises RuntimeError, ``preempt`` sends this process the checkpoint signal
-        (``disteval.resume.checkpoint_signal``; Python runs its handler right after, in this main thread)."""
+        (``disteval.common.launch_env.preempt_signal``; Python runs its handler right after, in this main thread)."""
         for f in self.faults:
             if f.kind not in _BATCH_KINDS or "sync" in f.params or int(f.params.get("batch", 1)) != batches_done:
                 continue
@@ -210,7 +210,7 @@ class FaultPlan:
             elif f.kind == "diskfull":
                 simulate_full_disk()
             elif f.kind == "preempt":
-                os.kill(os.getpid(), checkpoint_signal())
+                os.kill(os.getpid(), preempt_signal())
             elif f.kind == "error":
                 raise RuntimeError(f"{ENV}: injected error after batch {batches_done} on rank {self.rank}")
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from disteval.common.liveness import beat_lag
-from disteval.records import INTERRUPT_TYPES, is_network_error, read_status, recorded_progress
+from disteval.job.records import INTERRUPT_TYPES, is_network_error, read_status, recorded_progress
 
 
 @dataclass

@@ -24,7 +24,7 @@ from disteval.common import drills, netif, startup
 from disteval.common.netif import node_id
 from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 from disteval.errors import RendezvousError as RendezvousFailure
-from disteval.records import pid_alive, read_status, zombie_exit
+from disteval.job.records import pid_alive, read_status, zombie_exit
 from launchers.culprit import find_culprit
 
 
@@ -215,7 +215,7 @@ def launch(entry: Callable[..., Any], args: tuple, world_size: int, run_dir: str
     a multi-node ``placement.rendezvous`` (nnodes > 1), ``world_size`` is the total and this node runs its share.
 
     ``entry`` must be importable (each rank is a fork of a server that imported its module: ``fork_server``)
-    and should record its errors in RUN_DIR/ranks/rank{r}/status.json (as ``disteval.engine.run_rank`` does).
+    and should record its errors in RUN_DIR/ranks/rank{r}/status.json (as ``disteval.rank.engine.run_rank`` does).
     Returns {rank: return value}.
     Raises RankFailedError naming the culprit rank and its own error when any rank fails.
 
@@ -356,7 +356,7 @@ def fork_server(module: str):
     each launch gives its ranks itself, aside); otherwise the old server is stopped and a new one starts. The server
     imports only (no thread, no CUDA) and ends when this process does (CPython: its liveness pipe from this
     process closes) once its ranks have ended; ranks hold that pipe too, so they are told this process's pid
-    (``DISTEVAL_LAUNCHER_PID``) and their watchdog (``disteval.watchdog.launcher_gone``) ends them when it is
+    (``DISTEVAL_LAUNCHER_PID``) and their watchdog (``disteval.rank.watchdog.launcher_gone``) ends them when it is
     gone.
 
     ``ForkServer._stop`` is CPython's own way to stop the server (Lib/multiprocessing/forkserver.py, "used by
@@ -414,13 +414,13 @@ def run_single(entry: Callable[..., Any], args: tuple) -> Any:
 
 
 def launch_local(cfg_container: dict, run_dir: str, world_size: int, placement: Placement | None = None) -> None:
-    """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.engine.worker_entry``) and wait;
+    """Start ``world_size`` ranks of ``python -m disteval``'s job (``disteval.rank.engine.worker_entry``) and wait;
     ``placement``: see ``launch`` (a multi-node rendezvous: this node's share of the ranks; the ranks agree on
     rank 0's run directory).
 
     Raises RankFailedError naming the first failing rank and its own error when any rank fails.
     """
-    from disteval.engine import worker_entry
+    from disteval.rank.engine import worker_entry
 
     launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, placement)
 
@@ -431,7 +431,7 @@ def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_ag
     started with another environment), or as local rank processes (``on_agent_stuck``: see
     ``launchers.local.Rendezvous``)."""
     from disteval.comm import RankEnv
-    from disteval.engine import run_rank
+    from disteval.rank.engine import run_rank
 
     external = choice is None
     if external:

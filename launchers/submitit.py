@@ -40,8 +40,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
-from disteval import driverlog
+from disteval.common import launch_env
 from disteval.common.allocator import resolve as resolve_allocator
+from disteval.job import driverlog
 from disteval.errors import PreflightProblems, SweepExit
 from launchers.culprit import find_culprit
 
@@ -81,7 +82,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> JobReturn:
         """One task (rank) of a submitted job: the base launcher's task with the rank environment exported. Its
-        rank 0 locks the job directory without archiving anything (``disteval.rundir``): the driver archived an
+        rank 0 locks the job directory without archiving anything (``disteval.job.rundir``): the driver archived an
         earlier run's records before submitting (``RunDirGuard``)."""
         import warnings
 
@@ -106,7 +107,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         if any(r.status == JobStatus.FAILED for r in returns) and not self.single_run:
             # Hydra's sweeper would raise the first failure with its traceback and skip on_multirun_end: summarize
             # here, say what the sweep is, and exit (2: nothing was submitted, 1: a partial sweep)
-            from disteval.sweep import summarize_sweep
+            from disteval.job.sweep import summarize_sweep
 
             if len(refused) < len(returns):
                 summarize_sweep(sweep_dir)
@@ -154,7 +155,7 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
                     f"{len(problems)} problems: " + " ".join(f"({k}) {p}" for k, p in enumerate(problems, 1))
                 continue
             exports = tuple(resolve_allocator(str(cfg.dist.allocator)).shell_exports())
-            # a reused sweep directory was archived by the driver's RunDirGuard (disteval.rundir) before launching
+            # a reused sweep directory was archived by the driver's RunDirGuard (disteval.job.rundir) before launching
             (Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir) / "job.json").unlink(missing_ok=True)
             groups.setdefault((*shape, exports), []).append(i)
         return configs, groups, refused
@@ -231,14 +232,14 @@ def submit_run(task_function) -> int:
     metrics or its failure, and return the exit code: 0 completed, 1 failed (culprit rank named), cancelled or
     timed out, 2 refused before submission (a configuration error). The job is composed in MULTIRUN mode, so its
     ranks run as ranks (the external-launcher path) and never submit again. The driver's claim on the run
-    directory (``disteval.rundir``) is handed over: released before submission, taken by the job's rank 0."""
+    directory (``disteval.job.rundir``) is handed over: released before submission, taken by the job's rank 0."""
     from hydra._internal.callbacks import Callbacks
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.plugins import Plugins
     from hydra.types import HydraContext, RunMode
 
-    from disteval.rundir import release_run_dir
+    from disteval.job.rundir import release_run_dir
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -292,13 +293,13 @@ def _quote(value: str) -> str:
 
 
 def _report_run(ret: JobReturn, run_dir: Path, config) -> int:
-    """Print the outcome of ``submit_run``'s job as a local run prints its own (``disteval.run_report.present_results`` from
+    """Print the outcome of ``submit_run``'s job as a local run prints its own (``disteval.job.run_report.present_results`` from
     results.json with the task's section, built from the job's ``config``; or the failure with where its records
     are) and return the exit code."""
     from rich.console import Console
     from rich.markup import escape
 
-    from disteval.run_report import present_results
+    from disteval.job.run_report import present_results
 
     if ret.status == JobStatus.COMPLETED:
         present_results(run_dir, _job_config(config))
@@ -355,9 +356,9 @@ def _final_state(job) -> str:
 
 def _preflight(cfg) -> None:
     """The driver-side checks of ``python -m disteval`` on one job's config (without the hydra node), as the local
-    launcher runs them (``disteval.preflight.check_job``: config values, dataset root, model weights or
+    launcher runs them (``disteval.job.preflight.check_job``: config values, dataset root, model weights or
     checkpoint, metric families, sync policy) except the rendezvous address, which the job's own nodes provide."""
-    from disteval.preflight import check_job
+    from disteval.job.preflight import check_job
 
     check_job(_job_config(cfg), [])
 
@@ -382,12 +383,18 @@ def _disteval_error(job) -> str | None:
 
 def export_rank_env() -> None:
     """Inside a submitit task: export RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-    (submitit's TorchDistributedEnvironment), so that the task runs as one env:// rank."""
+    (submitit's TorchDistributedEnvironment), so that the task runs as one env:// rank, and the launcher
+    protocol's DISTEVAL_JOB_ID, DISTEVAL_NODE_RANK and DISTEVAL_PREEMPT_SIGNAL."""
     import submitit
 
     env = submitit.helpers.TorchDistributedEnvironment()
     env.export(set_cuda_visible_devices=False)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    # the rank side of the launcher protocol (disteval.common.launch_env): SLURM's job id and node index, and
+    # the signal after which submitit requeues the job (its checkpoint signal)
+    os.environ[launch_env.JOB_ID] = os.environ.get("SLURM_JOB_ID", "")
+    os.environ[launch_env.NODE_RANK] = os.environ.get("SLURM_NODEID", "0")
+    os.environ[launch_env.PREEMPT_SIGNAL] = os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or launch_env.DEFAULT_PREEMPT_SIGNAL
 
 
 def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, setup: list[str] | None = None):
@@ -412,7 +419,7 @@ def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, s
 
 def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, world_size: int) -> None:
     """RUN_DIR/job.json with the scheduler's view of a failed job (read by the sweep summary)."""
-    from disteval.records import atomic_write_json
+    from disteval.job.records import atomic_write_json
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Ranks for tests/test_bitwise_dist.py: one group of W ranks runs many whole-engine cases (the real task,
-model, loop, sync and results.json of ``disteval.engine.RankRun``) inside one process group."""
+model, loop, sync and results.json of ``disteval.rank.engine.RankRun``) inside one process group."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from disteval.bootstrap import apply_compute_settings, open_records
+from disteval.rank.bootstrap import apply_compute_settings, open_records
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.config import DistevalConfig, JobConfig, job_config
-from disteval.engine import RankRun
+from disteval.rank.engine import RankRun
 
 
 def job(overrides: dict) -> JobConfig:

@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.metrics.evaluator import Evaluator
-from disteval.sync import SyncPolicy, synchronise
+from disteval.rank.sync import SyncPolicy, synchronise
 from disteval.metrics import MetricCollection, RankingMetrics
 
 SCORE_ROWS = (700, 0, 451)  # ranking samples per rank (rank 1 holds none)

@@ -16,12 +16,12 @@ from torch.utils.data import TensorDataset
 
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
 from disteval.data import IndexedDataset
-from disteval.loop import ShardSpec, evaluate_shard
+from disteval.rank.loop import ShardSpec, evaluate_shard
 from disteval.metrics.evaluator import Evaluator
-from disteval.sync import SyncPolicy, synchronise
+from disteval.rank.sync import SyncPolicy, synchronise
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics,
                               check_coverage)
-from disteval.records import StatusWriter
+from disteval.job.records import StatusWriter
 
 NUM_CLASSES = 7
 TOPK = (1, 3)

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bitwise_workers import job
-from disteval.bootstrap import apply_compute_settings, open_records
+from disteval.rank.bootstrap import apply_compute_settings, open_records
 from disteval.comm import Communicator, RankEnv, destroy_process_group, init_process_group
-from disteval.engine import RankRun
+from disteval.rank.engine import RankRun
 from disteval.common.ranges import batch_aligned_bounds
 from disteval.common.topk import Rows, SearchSpec
 

@@ -1,6 +1,6 @@
 """``python -m disteval`` in the test's own process (issue 29 point 6: CI time).
 
-The driver is ordinary code: calling ``disteval.cli.main`` here, with the same arguments, working directory and
+The driver is ordinary code: calling ``disteval.driver.cli.main`` here, with the same arguments, working directory and
 environment, runs what the command runs, without a second interpreter (about 3 s of imports per call, more under
 load). At world size 1 the driver runs its one rank in this process (``launchers.local.start_ranks``); at larger
 world sizes it forks the ranks from a fork server (``launchers.local.fork_server``), which this process keeps for
@@ -76,7 +76,9 @@ def _process_state_kept():
     state as they were before, afterwards."""
     import torch
 
-    from disteval import cli, report, rundir
+    from disteval.driver import cli
+
+    from disteval.job import report, rundir
 
     consoles = (cli._err, report._console)
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
@@ -166,7 +168,9 @@ def run_inline(args: list[str], cwd: Path, timeout: float, env: dict | None = No
 
     from rich.console import Console
 
-    from disteval import cli, report
+    from disteval.driver import cli
+
+    from disteval.job import report
 
     out, err = io.StringIO(), io.StringIO()
     with _process_state_kept(), as_process(cwd, {"COLUMNS": "120", **(env or {})}, drop=("PYTEST_CURRENT_TEST",)), \

@@ -15,13 +15,13 @@ from disteval.comm import Communicator
 from disteval.comm.mesh import ParallelDims, build_mesh
 from disteval.data import IndexedDataset
 from disteval.errors import DistevalError
-from disteval.loop import LoopHook, ShardSpec, evaluate_shard
+from disteval.rank.loop import LoopHook, ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics, check_coverage
 from disteval.metrics.evaluator import Evaluator
 from disteval.models.reference_cnn import vit_tiny
-from disteval.parallel import first_inputs, parallel_model
+from disteval.rank.parallel import first_inputs, parallel_model
 from disteval.data.sharding import lockstep_plan
-from disteval.sync import check_tp_peers, synchronise
+from disteval.rank.sync import check_tp_peers, synchronise
 from dist_workers import rank_with_status
 
 NUM_CLASSES = 5

@@ -138,7 +138,7 @@ def _members_rank(rank: int, store_path: str, cwds: list[str], out: str) -> None
     import torch.distributed as dist
 
     from disteval.comm import Communicator
-    from disteval.model_set import members_of
+    from disteval.rank.model_set import members_of
 
     os.chdir(cwds[rank])
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)

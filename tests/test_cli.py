@@ -378,7 +378,7 @@ def _console(stdout: str) -> list[str]:
 
 
 def test_local_and_submitit_consoles_of_one_job_are_the_same(tmp_path):
-    """Issue 29 point 3: the console comes from results.json on every launch path (``disteval.report.present``):
+    """Issue 29 point 3: the console comes from results.json on every launch path (``disteval.job.report.present``):
     the same job run by local ranks and submitted through submitit (its driver prints after the job ended) shows
     the same tables, task section and notes."""
     job = ("data.limit=64", "eval.progress=false")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from disteval.comm import compression as cz
-from disteval.sync import SyncPolicy, check_sync_policy
+from disteval.rank.sync import SyncPolicy, check_sync_policy
 from disteval.errors import ConfigError
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics
 

@@ -108,7 +108,7 @@ def test_checkout_uses_its_conf_folder():
     ("eval.status_interval_s=0", "eval.status_interval_s"), ("eval.status_interval_s=nan", "eval.status_interval_s")])
 def test_robust_aggregation_settings_refused_before_ranks(override, key):
     from disteval.errors import ConfigError
-    from disteval.preflight import preflight
+    from disteval.job.preflight import preflight
 
     cfg = _compose(*override.split(",") if "[" not in override else override.split(",", 1))
     with pytest.raises(ConfigError) as info:
@@ -118,7 +118,7 @@ def test_robust_aggregation_settings_refused_before_ranks(override, key):
 
 @pytest.mark.parametrize("port", [0, 1, 29500, 65535])
 def test_master_port_range_accepts_every_tcp_port_and_zero(port):
-    from disteval.preflight import validate_config
+    from disteval.job.preflight import validate_config
 
     validate_config(_compose(f"dist.master_port={port}"))  # 0 = a free port picked by the rendezvous
 
@@ -138,7 +138,7 @@ def test_master_port_out_of_range_exits_2_before_any_rank(tmp_path):
 
 def test_fault_drill_refused_before_ranks(monkeypatch):
     from disteval.errors import ConfigError
-    from disteval.preflight import preflight
+    from disteval.job.preflight import preflight
 
     monkeypatch.setenv("DISTEVAL_FAULTS", "kill@2:batch=1")  # no rank 2 at dist.world_size=2
     with pytest.raises(ConfigError, match=r"DISTEVAL_FAULTS: kill aims at rank\(s\) \[2\]"):

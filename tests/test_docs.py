@@ -198,3 +198,18 @@ def test_the_checkers_catch_a_broken_readme(tmp_path):
     assert slug("Quick start (fresh machine, Python 3.11)") == "quick-start-fresh-machine-python-311"
     assert slug("COCO keypoints (OKS AP/AR)") == "coco-keypoints-oks-apar"
     assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+def test_the_layout_page_s_tree_is_drawn_from_the_packages():
+    """docs/layout.md's tree is scripts/layout_tree.py's output for the code as it is: a module added, moved or
+    redescribed without ``python scripts/layout_tree.py --write`` fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_tree", REPO / "scripts" / "layout_tree.py")
+    tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree)
+    page = (REPO / "docs" / "layout.md").read_text(encoding="utf-8")
+    drawn = page.split(tree.BEGIN, 1)[1].split(tree.END, 1)[0].strip()
+    assert drawn == tree.tree(), "docs/layout.md's tree is stale: run python scripts/layout_tree.py --write"
+    for name in ("engine.py", "records.py", "cli.py"):  # the drawing is of the real tree
+        assert f"    {name}" in drawn

@@ -19,7 +19,7 @@ from conftest import SAMPLE, load_results, sample_tree
 from recorded_runs import diagnostics_cli
 from disteval.data.device_feed import _batch_to
 from disteval.data.wds_stream import StreamBatch
-from disteval.loop import DeviceFeed, ShardSpec, _PERSISTENT, make_loader
+from disteval.rank.loop import DeviceFeed, ShardSpec, _PERSISTENT, make_loader
 
 
 class _Items(TensorDataset):
@@ -73,7 +73,7 @@ _KILLED_WITH_WORKERS = """
 import json, os, sys, time
 import torch
 from torch.utils.data import Dataset
-from disteval.loop import ShardSpec, make_loader
+from disteval.rank.loop import ShardSpec, make_loader
 
 class Big(Dataset):  # items that are not tensors: pickled through the workers' result pipe (~200 kB a batch)
     def __len__(self):
@@ -215,7 +215,7 @@ class _Stuck(_Items):
 
 def test_a_stuck_loader_worker_fails_the_rank_instead_of_hanging():
     from disteval.errors import DataError
-    from disteval.loop import evaluate_shard
+    from disteval.rank.loop import evaluate_shard
     from disteval.metrics.classification import ClassificationMetrics
     from disteval.metrics.evaluator import Evaluator
 

@@ -9,7 +9,7 @@ import os
 
 from dist_workers import parent_and_faults, parent_and_mark
 
-from disteval.records import pid_alive
+from disteval.job.records import pid_alive
 from launchers.local import launch
 
 

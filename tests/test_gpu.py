@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import load_results
-from disteval.loop import DeviceFeed
+from disteval.rank.loop import DeviceFeed
 from disteval.metrics.classification import ClassificationMetrics
 from disteval.metrics.collection import MetricCollection
 from disteval.metrics.evaluator import Evaluator

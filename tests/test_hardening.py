@@ -16,7 +16,7 @@ import pytest
 
 from conftest import load_results, run_disteval
 from recorded_runs import diagnostics_cli
-from disteval.records import pid_alive
+from disteval.job.records import pid_alive
 
 pytestmark = pytest.mark.slow
 QUICK = ("eval.progress=false", "data.batch_size=16")

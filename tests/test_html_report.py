@@ -211,7 +211,7 @@ def test_doctor_report(browser, runs, tmp_path):
 
 def test_report_modules_import_without_torch():
     """The report layer renders from records alone: importing it loads neither torch nor any task."""
-    code = ("import sys, disteval.htmlreport, disteval.run_report; "
+    code = ("import sys, disteval.job.htmlreport, disteval.job.run_report; "
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('disteval.tasks')], 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
@@ -219,7 +219,7 @@ def test_report_modules_import_without_torch():
 def test_task_figures_from_results(runs):
     """classification's figures from the W=2 run's metrics: the confusion matrix's diagonal / row sums equal the
     per-class accuracy, the reliability bins reproduce the ECE, and each figure has drawn pixels."""
-    from disteval.htmlreport.render import png_uri
+    from disteval.job.htmlreport.render import png_uri
     from disteval.tasks import ClassificationTask
     from PIL import Image
 
@@ -255,7 +255,7 @@ def test_every_task_family_draws_its_figures(family, tmp_path):
     if not fce.is_dir():
         pytest.skip(f"the shared COCO files are not at {fce}")
     from disteval import tasks
-    from disteval.htmlreport.render import png_uri
+    from disteval.job.htmlreport.render import png_uri
     from PIL import Image
 
     overrides, task_name = FAMILY_RUNS[family]

@@ -11,29 +11,30 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("disteval", "launchers", "hydra_plugins", "diagnostics")
 
-# layer of a module: the first matching prefix wins
+# layer of a module: the first matching prefix wins. The driver, the job and the rank are folders of their own
+# (FOLDERS below); their finer layers order the modules inside a folder.
 LAYERS = [
     ("disteval.common", "leaf"), ("disteval.errors", "leaf"), ("disteval.testing", "leaf"),
     ("disteval.metrics", "metrics"), ("disteval.data", "data"), ("disteval.comm", "comm"),
     ("disteval.models", "models"), ("disteval.tasks", "tasks"),
-    ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.resume", "support"),
-    ("disteval.config", "support"),
-    ("disteval.sync", "sync"), ("disteval.records", "records"), ("disteval.report", "report"),
-    ("disteval.htmlreport", "report"),
-    ("disteval.loop", "loop"), ("disteval.peers", "loop"),
-    # a rank's process: the process group, the shard's evaluation, its synchronisation and records
-    ("disteval.engine", "rank"), ("disteval.bootstrap", "rank"), ("disteval.canary", "rank"),
-    ("disteval.model_set", "rank"), ("disteval.parallel", "rank"), ("disteval.predictions", "rank"),
-    ("disteval.watchdog", "rank"),
-    # the driver's pieces that its launchers share: checks before any rank starts, the run directory, the
-    # end-of-run console and report from the records, a sweep's summary
-    ("disteval.preflight", "job"), ("disteval.rundir", "job"), ("disteval.run_report", "job"),
-    ("disteval.driverlog", "job"), ("disteval.sweep", "job"),
+    ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.config", "support"),
+    # the job: what the driver and the launchers share: the records' contract, their presentation, checks
+    # before any rank starts, the run directory, a sweep's summary
+    ("disteval.job.records", "records"), ("disteval.job.report", "report"), ("disteval.job.htmlreport", "report"),
+    ("disteval.job", "job"),
+    # a rank's process: its synchronisation, the shard's loop, and the process group, evaluation and records
+    ("disteval.rank.sync", "sync"), ("disteval.rank.loop", "loop"), ("disteval.rank.peers", "loop"),
+    ("disteval.rank.resume", "loop"), ("disteval.rank", "rank"),
     # the driver: composes, checks, hands over to a launcher (which runs the ranks, inline at world size 1 too)
     # and presents the records; the trackers are its Hydra callbacks (logger=...)
-    ("disteval", "driver"),  # cli, __main__, rescore, loggers
+    ("disteval.driver", "driver"), ("disteval.__main__", "driver"), ("disteval.rescore", "driver"),
     ("launchers", "launchers"), ("hydra_plugins", "launchers"), ("diagnostics", "diagnostics"),
 ]
+# the folders that are layers, with the finer layers their modules may have; the modules of disteval/ itself
+FOLDERS = {"disteval.job": {"records", "report", "job"}, "disteval.rank": {"sync", "loop", "rank"},
+           "disteval.driver": {"driver"}}
+TOP_LEVEL = {"disteval", "disteval.__main__", "disteval.rescore", "disteval.config", "disteval.errors",
+             "disteval.faults", "disteval.precision"}
 BELOW = {  # what each layer may import (besides itself)
     "leaf": set(),
     "metrics": {"leaf"}, "data": {"leaf"}, "comm": {"leaf"}, "models": {"leaf"},
@@ -110,6 +111,26 @@ def edges() -> list[tuple[str, str, int]]:
 def test_every_module_has_a_layer():
     for module in project_modules():
         layer_of(module)
+
+
+def test_the_folders_are_the_layers():
+    """The tree reads as the architecture: every module of a layer folder (driver, job, rank) has one of that
+    folder's layers, every module of those layers lies in its folder, and disteval/ itself holds the entry
+    points and the shared configuration, errors, faults and precision only (the domain layers are folders)."""
+    bad = []
+    for module in project_modules():
+        if not module.startswith("disteval"):
+            continue
+        layer = layer_of(module)
+        folder = next((f for f in FOLDERS if module == f or module.startswith(f + ".")), None)
+        if folder and layer not in FOLDERS[folder]:
+            bad.append(f"{module} lies in {folder} but has layer {layer}")
+        homes = [f for f, layers in FOLDERS.items() if layer in layers]
+        if homes and folder not in homes and module not in TOP_LEVEL:
+            bad.append(f"{module} has layer {layer} but lies outside {homes[0]}")
+        if module.count(".") == 1 and module not in TOP_LEVEL and not (REPO / module.replace(".", "/")).is_dir():
+            bad.append(f"{module} is a module of disteval/ itself: put it in the folder of its layer")
+    assert not bad, "\n".join(bad)
 
 
 def test_imports_follow_the_layers():

@@ -72,7 +72,7 @@ def test_a_relayed_record_is_replaced_only_by_a_newer_one(tmp_path):
     """Several ranks of a node relay the other nodes' records, each from its own read of the rendezvous store: an
     older read (rank 2 still in 'forward') must not replace the copy of its 'failed' record that another rank
     relayed first, and a rank's own file is never replaced."""
-    from disteval.records import read_status, relay_records, status_path
+    from disteval.job.records import read_status, relay_records, status_path
 
     failed = {"rank": 2, "node": "n2", "phase": "failed", "t_update": 20.0, "error": {"type": "RuntimeError"}}
     older = {"rank": 2, "node": "n2", "phase": "forward", "t_update": 10.0}

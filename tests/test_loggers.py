@@ -1,4 +1,4 @@
-"""The experiment trackers (``logger=...``, disteval/loggers/, docs/loggers.md) on real ``python -m disteval`` jobs:
+"""The experiment trackers (``logger=...``, disteval/driver/loggers/, docs/loggers.md) on real ``python -m disteval`` jobs:
 one W=1 job with all four trackers, one 2-job sweep (world sizes 1 and 2) with mlflow and tensorboard, one job
 whose trackers fail at the end (a closed localhost port, a log dir under a regular file), and one job refused
 because mlflow cannot be imported. Everything is read back with the trackers' own readers (MlflowClient,
@@ -137,7 +137,7 @@ def test_results_name_where_each_tracker_logged(single):
     for where in results["trackers"].values():  # a folder or file, or MLflow's sqlite:///<run dir>/mlflow.db#<run id>
         path = where.removeprefix("sqlite:///").partition("#")[0]
         assert Path(path).exists() and str(run_dir) in where
-    from disteval.loggers import tracker_locations, trackers_line
+    from disteval.driver.loggers import tracker_locations, trackers_line
 
     assert tracker_locations(run_dir) == results["trackers"]
     line = trackers_line(results["trackers"])

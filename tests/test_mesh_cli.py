@@ -47,7 +47,7 @@ def test_tp_alone_leaves_the_rest_to_data_parallel_ranks():
     from hydra import compose, initialize_config_dir
 
     from disteval.config import conf_dir, register_schemas, validated
-    from disteval.parallel import dims_from_config
+    from disteval.rank.parallel import dims_from_config
 
     assert ParallelConfig(tp=2).degrees(4) == (2, 1, 2) and ParallelConfig(tp=2, dp_shard=1).degrees(4) == (1, 1, 2)
     register_schemas()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from disteval.data.sharding import lockstep_plan
-from disteval.loop import ShardSpec, evaluate_shard
+from disteval.rank.loop import ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics
 from disteval.metrics.evaluator import Evaluator
 from disteval.models.parallel_plans import prepare_vit

@@ -52,7 +52,7 @@ def test_main_metric_and_lower_is_better_follow_the_declarations():
 
 
 def test_the_checkpoint_table_bolds_the_smallest_where_lower_is_better():
-    from disteval.report import present
+    from disteval.job.report import present
 
     def section_of(m: dict) -> tuple:  # the base Task's console rows: one per scalar, labelled by its key
         return [(k, f"{v:.4f}") for k, v in m.items() if isinstance(v, float)], [], []

@@ -11,10 +11,10 @@ from torch.utils.data import TensorDataset
 
 from dist_workers import NUM_CLASSES, synthetic_logits
 from disteval.data import IndexedDataset
-from disteval.loop import CallbackHook, GuardHook, ShardSpec, evaluate_shard
+from disteval.rank.loop import CallbackHook, GuardHook, ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics, MetricCollection, RankingMetrics, check_coverage
 from disteval.metrics.evaluator import Evaluator
-from disteval.resume import PreemptionGuard, load_checkpoint, save_checkpoint
+from disteval.rank.resume import PreemptionGuard, load_checkpoint, save_checkpoint
 
 
 class Preempted(Exception):
@@ -34,7 +34,7 @@ def test_signal_mid_shard_then_resume_equals_uninterrupted(tmp_path, monkeypatch
     evaluate_shard(torch.nn.Identity(), data, whole, ShardSpec(1, 2, 7))
     want = whole.metric.compute()
 
-    monkeypatch.setenv("SLURM_JOB_ID", "1")  # the guard is active inside SLURM jobs only
+    monkeypatch.setenv("DISTEVAL_PREEMPT_SIGNAL", "USR2")  # active only where the launcher requeues on a signal
     key = {"config": "x", "world_size": 2, "rank": 1, "shard": [105, 203]}
     path = tmp_path / "checkpoint.pt"
     ev = Evaluator(_metric())

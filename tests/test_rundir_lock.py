@@ -1,4 +1,4 @@
-"""The run directory's lock between the ranks of an external launcher (``disteval.rundir``): rank 0's claim and
+"""The run directory's lock between the ranks of an external launcher (``disteval.job.rundir``): rank 0's claim and
 the other ranks' check start at the same moment, so a check may find the lock taken before its holder wrote its
 record, and a check's probe holds the lock for an instant while rank 0 claims. Neither is a busy directory; a
 lock that stays held by another run is (after ``GRACE_S``)."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from disteval import rundir
+from disteval.job import rundir
 
 
 def _hold(path, record: dict | None):

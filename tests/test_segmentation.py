@@ -226,7 +226,7 @@ def test_voc_experiment_refused_before_ranks_without_its_folder(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from disteval.config import conf_dir, register_schemas
-    from disteval.preflight import preflight
+    from disteval.job.preflight import preflight
 
     register_schemas()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):

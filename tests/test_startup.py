@@ -59,7 +59,7 @@ def _results(model="fasterrcnn_mobilenet_v3_large_320_fpn", dataset="coco", proc
 
 
 def test_table_title_fits_80_columns_and_both_wall_times_are_labelled():
-    from disteval import report
+    from disteval.job import report
 
     out = io.StringIO()
     report.print_metrics(_results(), console=Console(file=out, width=80, color_system=None))
@@ -90,7 +90,7 @@ def test_a_rank_of_the_default_job_loads_neither_torchvision_nor_dynamo_nor_skle
     pulls torchvision (~1.5-2 s), torch._dynamo (~1.5 s) or, with the digits cache warm, scikit-learn (~1 s)."""
     code = textwrap.dedent("""
         import json, sys
-        import disteval.engine, disteval.preflight, launchers.local
+        import disteval.rank.engine, disteval.job.preflight, launchers.local
         import torch
         from omegaconf import OmegaConf
         from disteval import precision

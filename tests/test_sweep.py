@@ -1,4 +1,4 @@
-"""The sweep summary (disteval/sweep.py) from hand-written job records: each job's whole wall time beside the
+"""The sweep summary (disteval/job/sweep.py) from hand-written job records: each job's whole wall time beside the
 evaluation's time and the forward-only throughput, each labelled as what it measures."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 from rich.console import Console
 
-from disteval import sweep
+from disteval.job import sweep
 
 
 def _job(root, name: str, results: dict | None = None, launch: dict | None = None) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, load_results
-from disteval.engine import run_rank
+from disteval.rank.engine import run_rank
 from disteval.errors import ConfigError
 from disteval.metrics.base import Metric
 from disteval.tasks import Task, register_task, registered_tasks, resolve_task
@@ -116,8 +116,8 @@ def test_per_rank_metric_comes_from_the_task(tmp_path):
     from rich.console import Console
 
     from disteval.data.coco_keypoints_synthetic import make_synthetic_keypoints
-    from disteval.preflight import preflight
-    from disteval.report import present
+    from disteval.job.preflight import preflight
+    from disteval.job.report import present
 
     gt, dt = make_synthetic_keypoints(tmp_path / "kp", num_images=4, seed=1)
     cfg = job({"model": {"name": "replay"}, "eval": {"metrics": ["keypoints"], "exclude_outlier_ranks": True},
@@ -143,7 +143,7 @@ def test_per_rank_metric_comes_from_the_task(tmp_path):
 
 def test_streamed_data_is_the_task_s_knowledge():
     """``Task.streamed`` (classification: webdataset), not a data name in the driver, refuses a device mesh."""
-    from disteval.preflight import check_parallel
+    from disteval.job.preflight import check_parallel
 
     cfg = job({"data": {"name": "webdataset", "urls": "shards-{0..1}.tar"},
                "dist": {"world_size": 2, "parallel": {"tp": 2}}})

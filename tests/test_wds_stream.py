@@ -302,7 +302,7 @@ def test_loop_resume_mid_shard_equals_uninterrupted(shard_set, num_workers):
     after 3 batches (inside shard 1); a run resumed from the evaluator state and the one samples-done count
     gives the uninterrupted metrics bit for bit and covers the rank's ids exactly once."""
     from disteval.data.streaming import StreamSource
-    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.rank.loop import CallbackHook, ShardSpec, evaluate_shard
     from disteval.metrics import ClassificationMetrics, check_coverage
     from disteval.metrics.evaluator import Evaluator
 
@@ -469,13 +469,13 @@ def test_http_shards_byte_ranges(shard_set):
 def test_resume_keeps_skipped_ids(corrupt_set, tmp_path):
     """With data.on_decode_error=skip, a sample skipped before a preemption is still listed after the resume:
     the engine's checkpoint state carries the skipped positions (RankRun._checkpoint_state, written and read
-    with disteval.resume's save/load_checkpoint), the resumed loop starts from them."""
+    with disteval.rank.resume's save/load_checkpoint), the resumed loop starts from them."""
     from disteval.data.streaming import StreamSource
-    from disteval.engine import RankRun
-    from disteval.loop import CallbackHook, ShardSpec, evaluate_shard
+    from disteval.rank.engine import RankRun
+    from disteval.rank.loop import CallbackHook, ShardSpec, evaluate_shard
     from disteval.metrics import ClassificationMetrics
     from disteval.metrics.evaluator import Evaluator
-    from disteval.resume import load_checkpoint, save_checkpoint
+    from disteval.rank.resume import load_checkpoint, save_checkpoint
 
     out, paths, _, _ = corrupt_set
     source = StreamSource(load_index(str(out / "index.json"), paths), SampleFormat(image_mode="l8", on_decode_error="skip"))

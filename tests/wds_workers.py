@@ -1,5 +1,5 @@
 """Ranks for tests/test_wds_dist.py: one group of W real gloo ranks runs every streamed case of that W inside one
-process group: whole-engine runs (``disteval.engine.RankRun``: task, model, loop, sync, coverage, results.json)
+process group: whole-engine runs (``disteval.rank.engine.RankRun``: task, model, loop, sync, coverage, results.json)
 over tar shards and over the map-style copy of the same images, a shard cut after indexing read through the
 loop, and a preemption drill (the checkpoint signal mid-shard, then a resumed run from the checkpoints)."""
 from __future__ import annotations
@@ -20,11 +20,11 @@ from disteval.data.streaming import StreamSource
 from disteval.data.wds_stream import SampleFormat
 from disteval.errors import DataError
 from disteval.faults import ENV as FAULTS_ENV
-from disteval.loop import ShardSpec, evaluate_shard
+from disteval.rank.loop import ShardSpec, evaluate_shard
 from disteval.metrics import ClassificationMetrics
 from disteval.metrics.evaluator import Evaluator
-from disteval.records import StatusWriter
-from disteval.resume import checkpoint_signal
+from disteval.job.records import StatusWriter
+from disteval.common import launch_env
 
 
 class Requeued(Exception):
@@ -60,14 +60,14 @@ def read_cut_shards(env: RankEnv, out_dir: str, name: str, index: str, urls: lis
 
 
 def preempt_then_resume(env: RankEnv, out_dir: str, name: str, overrides: dict, batch: int) -> None:
-    """The preemption drill inside a SLURM-like job (SLURM_JOB_ID set, so the engine's PreemptionGuard is
-    active): ``DISTEVAL_FAULTS=preempt@*:batch=K`` sends every rank the checkpoint signal after its K-th batch;
-    the guard saves the rank's checkpoint and hands the signal to the previous handler, here a stand-in for
+    """The preemption drill inside a requeueing launcher's job (DISTEVAL_JOB_ID and DISTEVAL_PREEMPT_SIGNAL set,
+    as the submitit launcher exports them, so the engine's PreemptionGuard is active):
+    ``DISTEVAL_FAULTS=preempt@*:batch=K`` sends every rank the checkpoint signal after its K-th batch; the guard saves the rank's checkpoint and hands the signal to the previous handler, here a stand-in for
     submitit's that ends the run (``Requeued``). The same job then runs again in the same folder and resumes
     from the checkpoints (the requeued job). Writes OUT/<name>/ranks/rank{r}/drill.json: whether the first run
     was preempted and the checkpoint's samples_done."""
-    os.environ["SLURM_JOB_ID"] = f"drill-{name}"
-    previous = signal.signal(checkpoint_signal(), _requeue)
+    os.environ.update({launch_env.JOB_ID: f"drill-{name}", launch_env.PREEMPT_SIGNAL: "USR2"})
+    previous = signal.signal(launch_env.preempt_signal(), _requeue)
     os.environ[FAULTS_ENV] = f"preempt@*:batch={batch}"
     preempted = False
     try:
@@ -77,7 +77,7 @@ def preempt_then_resume(env: RankEnv, out_dir: str, name: str, overrides: dict, 
             preempted = True
         finally:
             del os.environ[FAULTS_ENV]
-            signal.signal(checkpoint_signal(), previous)
+            signal.signal(launch_env.preempt_signal(), previous)
         rank_dir = Path(out_dir, name, "ranks", f"rank{env.rank}")
         ckpt = torch.load(rank_dir / "checkpoint.pt", weights_only=True) if preempted else None
         # the requeued job: every rank's record is fresh before any rank resumes (run_rank's rendezvous orders
@@ -90,7 +90,7 @@ def preempt_then_resume(env: RankEnv, out_dir: str, name: str, overrides: dict, 
             {"preempted": preempted, "samples_done": None if ckpt is None else int(ckpt["samples_done"]),
              "skipped_in_checkpoint": None if ckpt is None else ckpt["state"]["stream_skipped"].tolist()}))
     finally:
-        del os.environ["SLURM_JOB_ID"]
+        del os.environ[launch_env.JOB_ID], os.environ[launch_env.PREEMPT_SIGNAL]
 
 
 @record

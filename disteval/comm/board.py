@@ -2,7 +2,7 @@
 
 Every launched rank already reaches the launcher's TCPStore (``MASTER_ADDR:MASTER_PORT``: torchrun's agent
 store, shared with the ranks), so it is the side channel every rank has. Each rank publishes its status record
-(``disteval.records.StatusWriter``: phase, progress, heartbeat, error) under
+(``disteval.job.records.StatusWriter``: phase, progress, heartbeat, error) under
 ``disteval/<run id>/<restart>/status/<rank>``; peers read it from there when the run directory is not one
 shared folder (``detect_shared_filesystem``). The store is reached through a client of its own (not the
 process group's), with the collectives' timeout, so that a heartbeat from the watchdog thread never waits

@@ -1,5 +1,5 @@
 """When is a process silent, and which timeout says so: the one liveness rule of disteval, used by every
-rank's watchdog (``disteval.watchdog``), rank 0's peer watch (``disteval.peers``), the launchers' culprit
+rank's watchdog (``disteval.rank.watchdog``), rank 0's peer watch (``disteval.rank.peers``), the launchers' culprit
 rule (``launchers.culprit``) and the doctor (``diagnostics``).
 
 Three timeouts, one meaning each:

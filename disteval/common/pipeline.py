@@ -2,7 +2,7 @@
 console line, and whether the run was input-bound. Pure functions of results.json values (no torch), used by the
 run's record, its console and HTML report, the sweep summary and the doctor.
 
-A rank's record (``disteval.loop.pipeline_record``) holds seconds: ``loop`` (the whole pass), ``wait_for_data``
+A rank's record (``disteval.rank.loop.pipeline_record``) holds seconds: ``loop`` (the whole pass), ``wait_for_data``
 (the loop blocked on the loader), ``forward`` (the model's step; CUDA events on a GPU), ``metric_update``, and
 ``host``: the loader's ``read``/``decode``/``transform`` seconds summed over its worker processes (worker-seconds),
 ``items`` and ``workers_active``, with ``num_workers``."""

@@ -1,6 +1,6 @@
 """The loader's batches on the model's device: ``DeviceFeed`` copies the next batch's inputs (and tensor
 targets) on a CUDA side stream while the current batch computes; sample ids stay on the host. Used by the
-per-rank loop (``disteval.loop``)."""
+per-rank loop (``disteval.rank.loop``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
@@ -21,7 +21,7 @@ class DeviceFeed:
         self.loader, self.device, self.tap = loader, torch.device(device), tap
         self.batches: Iterator | None = None  # the loader's iterator of the pass in progress (its workers)
         # CUDA: a (start, end) event pair around each batch's copy on the side stream, read after the loop
-        # (disteval.loop.StageTimer: results.json per_rank[].pipeline.host_to_device)
+        # (disteval.rank.loop.StageTimer: results.json per_rank[].pipeline.host_to_device)
         self.copies: list = []
 
     def __len__(self) -> int:

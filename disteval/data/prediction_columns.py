@@ -1,7 +1,7 @@
 """The columns of a prediction store (``eval.save_predictions=true``) for each kind of output, and the pyarrow
 table of a rank's batches (``build_table``). A task declares its schema (``Task.prediction_schema``) and turns
 each batch into columns (``Task.prediction_columns``) with the functions here; the store's writer
-(``disteval.predictions``) knows no task. Classification's columns are ``prediction_store.classification_columns``.
+(``disteval.rank.predictions``) knows no task. Classification's columns are ``prediction_store.classification_columns``.
 
 Column values per batch: a 1-D numpy array (one value per sample), a 2-D array (a fixed-size list per sample),
 or a list of per-sample arrays of varying length (a list column; 2-D per-sample arrays make lists of fixed-size

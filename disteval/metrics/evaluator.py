@@ -1,7 +1,7 @@
 """What one rank accumulates while it evaluates: the metric's states, the sample-id coverage, and in the
 default bitwise mode the per-batch float partials in a ``BatchTreeSum`` (so float statistics do not depend
 on the world size), plus optionally a per-batch record (output digests and float partials) for
-``python -m diagnostics compare``. Pure: synchronising it is ``disteval.sync``'s job."""
+``python -m diagnostics compare``. Pure: synchronising it is ``disteval.rank.sync``'s job."""
 from __future__ import annotations
 
 import array

@@ -13,7 +13,7 @@ same order whatever W, and the total is bit-identical for every split of the bat
 error bound O(log n) is also better than a running sum's O(n)).
 
 Values are float64 tensors of one fixed shape ``[k]`` (several states concatenated); pure, no
-torch.distributed: ``disteval.sync`` moves the nodes.
+torch.distributed: ``disteval.rank.sync`` moves the nodes.
 """
 from __future__ import annotations
 
