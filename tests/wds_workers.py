@@ -62,7 +62,8 @@ def read_cut_shards(env: RankEnv, out_dir: str, name: str, index: str, urls: lis
 def preempt_then_resume(env: RankEnv, out_dir: str, name: str, overrides: dict, batch: int) -> None:
     """The preemption drill inside a requeueing launcher's job (DISTEVAL_JOB_ID and DISTEVAL_PREEMPT_SIGNAL set,
     as the submitit launcher exports them, so the engine's PreemptionGuard is active):
-    ``DISTEVAL_FAULTS=preempt@*:batch=K`` sends every rank the checkpoint signal after its K-th batch; the guard saves the rank's checkpoint and hands the signal to the previous handler, here a stand-in for
+    ``DISTEVAL_FAULTS=preempt@*:batch=K`` sends every rank the checkpoint signal after its K-th batch; the guard
+    saves the rank's checkpoint and hands the signal to the previous handler, here a stand-in for
     submitit's that ends the run (``Requeued``). The same job then runs again in the same folder and resumes
     from the checkpoints (the requeued job). Writes OUT/<name>/ranks/rank{r}/drill.json: whether the first run
     was preempted and the checkpoint's samples_done."""

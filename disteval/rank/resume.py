@@ -1,5 +1,6 @@
 """Preemption-safe evaluation: when the scheduler signals a job before a timeout or a preemption (the signal
-its launcher announces in ``DISTEVAL_PREEMPT_SIGNAL``, ``disteval.common.launch_env``), every rank saves its metric states, its sample-id coverage and how
+its launcher announces in ``DISTEVAL_PREEMPT_SIGNAL``, ``disteval.common.launch_env``), every rank saves its metric
+states, its sample-id coverage and how
 many samples of its shard it has counted, atomically, to RUN_DIR/ranks/rank{r}/checkpoint.pt; the requeued
 job loads them and continues after the last counted sample, so the final result equals an uninterrupted
 run exactly (states are sums and concatenations of whole batches).
