@@ -21,9 +21,9 @@ from typing import Any, Callable
 from diagnostics.evidence import load_run
 from diagnostics.hardware import canary_effect
 from diagnostics.machine import Diagnosis, diagnose
-from omegaconf import OmegaConf
+from launchers.registry import launcher_for
 
-from diagnostics.remedies import merge_overrides, rerun_command, run_overrides, shell_line
+from diagnostics.remedies import launcher_choice, merge_overrides, rerun_command, run_overrides, shell_line
 
 
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
@@ -179,14 +179,13 @@ def _refusal(diag: Diagnosis, tried: set) -> str | None:
 
 
 def _nodes_started_by_hand(run) -> list[str]:
-    """The hosts of a run that spanned several nodes without a scheduler that --apply can resubmit to (the
-    submitit launchers start every node themselves): [] when one node, or when scheduled."""
+    """The hosts of a run that spanned several nodes without a scheduler that --apply can resubmit to (a
+    scheduling launcher starts every node itself, ``Launcher.schedules``): [] when one node, or when scheduled."""
     hosts = sorted({str(s.get("host")) for s in run.statuses.values() if s and s.get("host")} | set(run.node_launches))
     nnodes = int(run.cfg("dist.nnodes", 1) or 1)
     if len(hosts) < 2 and nnodes < 2:
         return []
-    target = str(OmegaConf.select(run.hydra, "hydra.launcher._target_", default="") if run.hydra is not None else "")
-    if "submitit" in target or run.job is not None:
+    if launcher_for(launcher_choice(run)).schedules or run.job is not None:
         return []
     return hosts if len(hosts) > 1 else hosts + [f"{nnodes - len(hosts)} more"]
 

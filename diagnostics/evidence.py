@@ -1,7 +1,7 @@
 """What the doctor reads: a run directory's records, loaded once and never modified.
 
 A run directory (DESIGN.md "Run directory") holds ``.hydra/{config,overrides}.yaml`` (Hydra),
-``launch.json`` (the driver), ``job.json`` (the submitit launcher), ``ranks/rank{r}/status.json`` and
+``launch.json`` (the driver), ``job.json`` (a scheduling launcher), ``ranks/rank{r}/status.json`` and
 ``results.json``. Any of them may be missing or unreadable: the run died early, or the records are from an
 external launcher. ``Evidence`` points at the file and field (or line) a finding rests on.
 """

@@ -18,13 +18,15 @@ from disteval.faults import parse as parse_faults
 from disteval.common.liveness import DRIVER_HEARTBEAT_S
 from disteval.job.records import is_network_error, recorded_progress
 from launchers.culprit import CONSEQUENCE_TYPES, is_consequence
+from launchers.protocol import SchedulerNote
+from launchers.registry import launcher_for
 
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import (Finding, culprit as _culprit, disk_full, error_ev, errors, interrupted,
                                   status_ev, what_was_found)
 from diagnostics.liveness import ProcessView, almost_full, disk_free, examine, heartbeat
 from diagnostics.phases import describe, fetch_failure, rank_phase, url_in, weights_url
-from diagnostics.remedies import Remedy
+from diagnostics.remedies import Remedy, launcher_choice
 
 STALL = re.compile(r"stalled|never wrote a status record|timed out|timeout|deadline", re.I)
 _PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use|already in use", re.I)
@@ -212,16 +214,16 @@ def _no_launch_record(run: Run) -> Finding:
                                        for r, e in sorted(errors(run).items())][:4],
                        Remedy([], "rerun: the interrupt came from outside the run"), phase="running")
     launcher, mode = _hydra_launcher(run)
-    if launcher.startswith("submitit") and mode == "RUN" and not any(run.statuses.values()) and run.job is None:
+    if launcher_for(launcher).hands_over_run_mode and mode == "RUN" and not any(run.statuses.values()) and run.job is None:
         return Finding("INIT", "launch", "fail", f"hydra/launcher={launcher} was chosen without -m (hydra.mode=RUN): "
-                       "the submitit launchers submit jobs only in multirun mode, so python -m disteval refused the job "
+                       f"the {launcher} launcher submits jobs only in multirun mode, so python -m disteval refused the job "
                        "before any rank started or anything was submitted",
                        [Evidence(".hydra/hydra.yaml", launcher, field="hydra.runtime.choices.hydra/launcher"),
                         Evidence(".hydra/hydra.yaml", mode, field="hydra.mode"), Evidence("launch.json", "missing")],
                        Remedy([], f"add -m: python -m disteval -m hydra/launcher={launcher} ...; a rerun without -m is "
                               "refused the same way", changes_cause=False), phase="preflight")
     return Finding("INIT", "launch", "skipped", "no launch.json: the ranks were started by an external launcher "
-                   "(torchrun, SLURM) or by an older disteval")
+                   "(torchrun, srun) or by an older disteval")
 
 
 def _config_error(run: Run, launch: dict, ev: list[Evidence]) -> Finding:
@@ -316,48 +318,53 @@ def _driver_failed_first(launch: dict, ev: list[Evidence]) -> Finding:
 
 # -------------------------------------------------------------------------------------------- scheduler
 def init_scheduler(run: Run, probes: dict | None) -> Finding:
-    """The scheduler's view of a submitit/SLURM job (RUN_DIR/job.json, written for jobs that did not complete)."""
+    """The scheduler's view of a job that did not complete (RUN_DIR/job.json, written by a scheduling launcher),
+    read by the run's launcher (``launchers.protocol.Launcher.scheduler_view``)."""
     job = run.job
     if job is None:
-        return Finding("INIT", "scheduler", "skipped", "no job.json (not a failed submitit job)")
+        return Finding("INIT", "scheduler", "skipped", "no job.json (not a failed job of a scheduler)")
     state = str(job.get("state", "")).upper()
     ev = [Evidence("job.json", state, field="state"), Evidence("job.json", str(job.get("error"))[:300], field="error")]
-    if state.startswith("TIMEOUT"):
-        limit = OmegaConf.select(run.hydra, "hydra.launcher.timeout_min", default=None) if run.hydra is not None else None
-        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} hit its time limit", ev,
-                       Remedy([f"hydra.launcher.timeout_min={2 * int(limit)}"] if limit else [],
-                              "a longer time limit (checkpoints resume the work already done)",
-                              changes_cause=bool(limit)), phase="scheduler")
-    if state.startswith("OUT_OF_MEMORY"):
+    launcher = launcher_for(launcher_choice(run))
+    note = launcher.scheduler_view(run.path, job, run.hydra)
+    if note is not None:
+        return _scheduler_finding(run, note, ev)
+    if not any(s and s.get("error") for s in run.statuses.values()):
+        return _job_own_error(run, state, ev, launcher)
+    return Finding("INIT", "scheduler", "pass", f"{launcher.scheduler or 'the scheduler'}'s job {job.get('job_id')} "
+                   f"state {state} (rank errors below)", ev)
+
+
+def _scheduler_finding(run: Run, note: SchedulerNote, ev: list[Evidence]) -> Finding:
+    """A finding from what the launcher read in the scheduler's records; the batch size (out of memory) and the
+    nodes that died whole (a node failure) come from the ranks' records."""
+    if note.kind == "task_start":
+        return Finding("INIT", "scheduler", "fail", note.message, [Evidence(src, value, line=line)
+                                                                   for src, line, value in note.evidence],
+                       Remedy([], note.advice, changes_cause=False), phase="scheduler", nodes=list(note.nodes))
+    if note.kind == "out_of_memory":
         bs = int(run.cfg("data.batch_size", 0) or 0)
-        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ran out of memory ({state})", ev,
+        return Finding("INIT", "scheduler", "fail", note.message, ev,
                        Remedy([f"data.batch_size={bs // 2}"] if bs > 1 else [], "a smaller batch needs less memory"
-                              if bs > 1 else "ask the scheduler for more memory", changes_cause=bs > 1), phase="scheduler")
-    if state.startswith("NODE_FAIL"):
+                              if bs > 1 else note.advice, changes_cause=bs > 1), phase="scheduler")
+    if note.kind == "node_fail":
         hosts, ranks = _silent_nodes(run)
         named = (f": node(s) {', '.join(hosts)} failed (their ranks {ranks} stopped at once without recording an "
                  "error, before the other ranks failed waiting for them)") if hosts else ""
-        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended NODE_FAIL{named}", ev + [
-            status_ev(run, r, "t_heartbeat") for r in ranks[:2]],
-            Remedy([], "rerun: SLURM sets a failed node DOWN and places the rerun on others" + (
-                f"; look at {', '.join(hosts)} (dmesg, slurmd's log) before it returns" if hosts else "")),
-            culprit=ranks[0] if ranks else None, phase="scheduler")
-    if state.startswith(("CANCELLED", "PREEMPTED", "BOOT_FAIL")):
-        return Finding("INIT", "scheduler", "fail", f"SLURM job {job.get('job_id')} ended {state}: "
-                       f"{str(job.get('error'))[:200]}", ev,
-                       Remedy([], "rerun: the scheduler stopped the job from outside"), phase="scheduler")
-    launch = _srun_launch_failure(run, str(job.get("job_id", "")))
-    if launch is not None:
-        return launch
-    if not any(s and s.get("error") for s in run.statuses.values()):
-        return _job_own_error(run, state, ev)
-    return Finding("INIT", "scheduler", "pass", f"SLURM job {job.get('job_id')} state {state} (rank errors below)", ev)
+        return Finding("INIT", "scheduler", "fail", note.message + named,
+                       ev + [status_ev(run, r, "t_heartbeat") for r in ranks[:2]],
+                       Remedy([], note.advice + (f"; look at {', '.join(hosts)} {note.node_hint} before it returns".replace(
+                           "  ", " ") if hosts else "")),
+                       culprit=ranks[0] if ranks else None, phase="scheduler")
+    return Finding("INIT", "scheduler", "fail", note.message, ev,
+                   Remedy(list(note.overrides), note.advice, changes_cause=bool(note.overrides) or note.kind != "time_limit"),
+                   phase="scheduler")
 
 
-def _job_own_error(run: Run, state: str, ev: list[Evidence]) -> Finding:
-    """A submitit job that failed (or was refused before submission) with no rank error on record: the launcher's
-    own account of it in job.json is the cause (an error raised in the job before its ranks wrote anything, or a
-    configuration the launcher refused)."""
+def _job_own_error(run: Run, state: str, ev: list[Evidence], launcher) -> Finding:
+    """A scheduled job that failed (or was refused before submission) with no rank error on record: the
+    launcher's own account of it in job.json is the cause (an error raised in the job before its ranks wrote
+    anything, or a configuration the launcher refused)."""
     job = run.job or {}
     error = str(job.get("error") or "no error recorded")
     if state == "REFUSED":
@@ -365,11 +372,11 @@ def _job_own_error(run: Run, state: str, ev: list[Evidence]) -> Finding:
                        f"the job was not submitted: {error[:300]}", ev,
                        Remedy([], "fix the configuration the error names, then rerun", changes_cause=False),
                        phase="scheduler")
-    return Finding("INIT", "scheduler", "fail", f"{'SLURM' if job.get('job_id') else 'submitit'} job "
+    return Finding("INIT", "scheduler", "fail", f"{launcher.scheduler or launcher.name} job "
                    f"{job.get('job_id') or ''} ended {state or 'FAILED'} before any rank recorded an error: "
                    f"{error[:300]}", ev,
-                   Remedy([], "the error above is the job's own (from submitit); fix what it names, then rerun",
-                          changes_cause=False), phase="scheduler")
+                   Remedy([], f"the error above is the job's own (from the {launcher.name} launcher); fix what it "
+                          "names, then rerun", changes_cause=False), phase="scheduler")
 
 
 def _silent_nodes(run: Run) -> tuple[list[str], list[int]]:
@@ -390,39 +397,6 @@ def _silent_nodes(run: Run) -> tuple[list[str], list[int]]:
             hosts.append(host)
             ranks += mine
     return hosts, ranks
-
-
-_SRUN_LAUNCH = re.compile(r"srun: error: Task launch for StepId=(\S+) failed on node (\S+?): (.+)")
-_STEPD = re.compile(r"slurmstepd-(\S+?):")
-
-
-def _srun_launch_failure(run: Run, job_id: str) -> Finding | None:
-    """srun could not start the job's tasks on a node (submitit's log of the batch step,
-    ``.submitit/<job>/<job>_0_log.err``: "Task launch for StepId=... failed on node NODE: REASON"): the node that
-    srun, on the job's first node, could not reach. None when the logs say nothing of the kind."""
-    if not job_id:
-        return None
-    for path in sorted((run.path / ".submitit" / job_id).glob(f"{job_id}_*_log.err")):
-        try:
-            lines = path.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        for n, line in enumerate(lines, 1):
-            m = _SRUN_LAUNCH.search(line)
-            if not m:
-                continue
-            step, node, reason = m.groups()
-            first = next((h.group(1) for h in map(_STEPD.search, lines) if h), None)
-            src = str(path.relative_to(run.path))
-            between = f"between {first} and {node}" if first and first != node else f"to {node}"
-            return Finding("INIT", "scheduler", "fail", f"SLURM could not start the tasks of step {step} on node {node}: "
-                           f"{reason.strip()} (srun on the job's first node{f' {first}' if first else ''} could not "
-                           f"reach slurmd on {node}); no rank started there, so no rank recorded anything: check the "
-                           f"network connection {between}", [Evidence(src, line.strip()[:300], line=n)],
-                           Remedy([], f"check the network connection {between} (link, routes, firewall; `scontrol "
-                                  f"ping`, `sinfo -N`), then rerun", changes_cause=False), phase="scheduler",
-                           nodes=[h for h in (first, node) if h])
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- started

@@ -158,13 +158,16 @@ def _write(out_dir: str, out: dict) -> None:
 
 
 def run_probes(run, out_dir: Path) -> dict:
-    """Launch the probe ranks for ``run`` (a ``diagnostics.evidence.Run`` with a config) and return the probe
-    results, with ``path`` (where probe.json is) and ``error`` / ``culprit`` when the probe ranks failed.
+    """Launch the probe ranks for ``run`` (a ``diagnostics.evidence.Run`` with a config) the way the run's ranks
+    were launched (``launchers.protocol.Launcher.run_probe``) and return the probe results, with ``path`` (where
+    probe.json is), ``launcher`` and ``error`` / ``culprit`` when the probe ranks failed.
     Raises ValueError when the run has no readable .hydra/config.yaml."""
     from omegaconf import OmegaConf
 
     from disteval.errors import RankFailedError
-    from launchers.local import Placement, launch
+    from diagnostics.remedies import launcher_choice
+    from launchers.protocol import ProbeRequest
+    from launchers.registry import launcher_for
 
     if run.config is None:
         raise ValueError(f"{run.path}/.hydra/config.yaml is missing: the probes need the run's configuration")
@@ -173,20 +176,15 @@ def run_probes(run, out_dir: Path) -> dict:
                   + [1 << 20])
     out_dir.mkdir(parents=True, exist_ok=True)
     size = int(run.world_size or container["dist"]["world_size"])
+    launcher = launcher_for(launcher_choice(run))
     result: dict = {}
-    kind = launcher_kind(run)
-    result_launcher = kind if kind.startswith("submitit") else "local"
     try:
-        if kind.startswith("submitit"):
-            _launch_submitit(run, kind, container, out_dir, payload, size)
-        else:
-            launch(probe_entry, (container, str(out_dir), payload), size, str(out_dir),
-                   Placement(str(container["dist"].get("master_addr", "127.0.0.1")), 0))
+        launcher.run_probe(ProbeRequest(probe_entry, container, out_dir, payload, size, launcher_options(run)))
     except RankFailedError as exc:
         result = {"error": str(exc), "culprit": exc.rank}
-    except Exception as exc:  # noqa: BLE001 - a failed submitit job: its error is the finding
+    except Exception as exc:  # noqa: BLE001 - a failed scheduler job: its error is the finding
         result = {"error": f"{type(exc).__name__}: {str(exc)[-1000:]}", "culprit": None}
-    result["launcher"] = result_launcher
+    result["launcher"] = launcher.name
     path = out_dir / "probe.json"
     if path.exists():
         result = {**json.loads(path.read_text()), **result}
@@ -194,41 +192,17 @@ def run_probes(run, out_dir: Path) -> dict:
     return result
 
 
-def launcher_kind(run) -> str:
-    """The run's Hydra launcher choice (basic, submitit_slurm, submitit_local) from .hydra/hydra.yaml."""
+def launcher_options(run) -> dict:
+    """The run's ``hydra.launcher`` settings as plain values ({} without .hydra/hydra.yaml); a setting that
+    interpolates the sweep's own fields is left out (the probes do not need it)."""
     from omegaconf import OmegaConf
 
-    if run.hydra is None:
-        return (run.launch or {}).get("hydra_launcher") or "basic"
-    return str(OmegaConf.select(run.hydra, "hydra.runtime.choices", default={}).get("hydra/launcher") or "basic")
-
-
-def _probe_task(cfg_container: dict, out_dir: str, payload_bytes: int) -> None:
-    """One probe rank inside a submitit task: export the rank environment, then run the probe."""
-    from launchers.submitit import export_rank_env
-
-    export_rank_env()
-    probe_entry(cfg_container, out_dir, payload_bytes)
-
-
-def _launch_submitit(run, kind: str, container: dict, out_dir: Path, payload: int, size: int) -> None:
-    """Submit the probe ranks as one job through submitit with the run's launcher options (partition, time
-    limit, ...), one task per rank, and wait for it. Raises submitit's error when a task fails."""
-    from omegaconf import OmegaConf
-
-    from launchers.submitit import job_shape, make_executor
-
-    node = OmegaConf.select(run.hydra, "hydra.launcher")
-    params = {}
-    for key in node.keys():
+    node = OmegaConf.select(run.hydra, "hydra.launcher") if run.hydra is not None else None
+    params: dict = {}
+    for key in (node.keys() if node is not None else ()):
         try:
             value = OmegaConf.select(node, key)
             params[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-        except Exception:  # noqa: BLE001 - an interpolation into the sweep's own fields: not needed here
+        except Exception:  # noqa: BLE001 - an interpolation into the sweep's own fields
             continue
-    params.update(submitit_folder=str(out_dir / "submitit" / "%j"), name="disteval-probe",
-                  timeout_min=min(int(params.get("timeout_min") or 15), 15), max_num_timeout=0)
-    nodes, per_node = job_shape(size, container["dist"].get("ranks_per_node"), params.get("gpus_per_node"))
-    executor = make_executor("slurm" if kind == "submitit_slurm" else "local", params, nodes, per_node)
-    job = executor.submit(_probe_task, container, str(out_dir), payload)
-    job.results()
+    return params

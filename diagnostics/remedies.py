@@ -66,8 +66,15 @@ def merge_overrides(base: list[str], changes: list[str]) -> list[str]:
     return out
 
 
+def launcher_choice(run) -> str:
+    """The run's Hydra launcher choice (``basic`` unless the run chose another) from .hydra/hydra.yaml."""
+    if run.hydra is None:
+        return (run.launch or {}).get("hydra_launcher") or "basic"
+    return str(OmegaConf.select(run.hydra, "hydra.runtime.choices", default={}).get("hydra/launcher") or "basic")
+
+
 def launcher_overrides(run) -> list[str]:
-    """The run's Hydra launcher choice and settings (``hydra/launcher=submitit_slurm``, ``hydra.launcher.*``) from
+    """The run's Hydra launcher choice and settings (``hydra/launcher=<choice>``, ``hydra.launcher.*``) from
     .hydra/hydra.yaml: Hydra keeps them apart from the task's overrides, and a rerun without them would run
     on this machine instead of resubmitting to the scheduler."""
     if run.hydra is None:

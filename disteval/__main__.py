@@ -1,5 +1,5 @@
 """``python -m disteval [overrides]``: see ``disteval.driver.cli`` (the Hydra task lives in an importable module so
-that submitit can pickle it by reference).
+that a launcher can pickle it by reference).
 
 The first console line goes out before torch and Hydra load (seconds); nothing heavy is imported at module
 level, because a process started with multiprocessing's spawn method re-imports this module (as

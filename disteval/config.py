@@ -362,8 +362,8 @@ class ParallelConfig:
 @dataclass
 class DistConfig:
     """``dist.*``: how many ranks and how they come to exist (``launcher: local`` = torch.distributed.elastic
-    on this machine). master_port 0 = a free port chosen by the rendezvous. ranks_per_node: under the
-    submitit launchers, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node).
+    on this machine). master_port 0 = a free port chosen by the rendezvous. ranks_per_node: under a
+    scheduling launcher, ranks per node (null = the launcher's gpus_per_node, or all ranks on one node).
     threads: intra-op threads of each rank (``torch.set_num_threads``); null = 1 in ``eval.mode=bitwise`` (a
     value that does not change with the world size, so outputs do not either) and the machine's cores shared
     among the local ranks in ``fast`` mode.

@@ -26,6 +26,7 @@ from disteval.errors import DistevalError, RankFailedError, RunInterrupted
 from disteval.errors import RendezvousError as RendezvousFailure
 from disteval.job.records import pid_alive, read_status, zombie_exit
 from launchers.culprit import find_culprit
+from launchers.protocol import Launcher, ProbeRequest
 
 
 def _death(failure) -> str:
@@ -425,42 +426,42 @@ def launch_local(cfg_container: dict, run_dir: str, world_size: int, placement: 
     launch(worker_entry, (cfg_container, run_dir), world_size, run_dir, placement)
 
 
-def start_ranks(cfg: Any, job: Any, container: dict, run_dir: str, choice, on_agent_stuck=None) -> None:
-    """Run the job's ranks and wait: as this rank of an external launcher (``choice`` None: the ranks already
-    exist with their allocator), in this process (world size 1, unless the allocator ``choice`` needs a process
-    started with another environment), or as local rank processes (``on_agent_stuck``: see
-    ``launchers.local.Rendezvous``)."""
-    from disteval.comm import RankEnv
-    from disteval.rank.engine import run_rank
+class LocalLauncher(Launcher):
+    """Local rank processes (torch.distributed.elastic): the ranks of one node, or this node's share of a
+    torchrun-style multi-node rendezvous (``dist.nnodes``, ``dist.rdzv_endpoint``); a world size of 1 runs in
+    this process. Hydra's ``basic`` launcher (the default)."""
 
-    external = choice is None
-    if external:
-        env = RankEnv.from_env()
-        if env.world_size != cfg.dist.world_size and env.rank == 0:
-            logging.getLogger("disteval").warning("running under an external launcher with WORLD_SIZE=%d (dist.world_size=%d ignored)",
-                        env.world_size, cfg.dist.world_size)
-        try:
-            run_rank(job, run_dir, env, agree_run_dir=True)
-        except Exception as exc:  # noqa: BLE001 - one line per rank; the traceback is in status.json
-            raise DistevalError(f"rank {env.rank} failed: {type(exc).__name__}: {exc}") from exc
-    elif cfg.dist.world_size == 1 and (not choice.changes_env or choice.requested == "auto"):
-        # in this process, with its own allocator: `auto` does not start a second process at W=1 (measured:
-        # 2.5-4.7 s more start-up, a second import of torch); an allocator asked for by name does
-        try:
-            run_single(run_rank, (job, run_dir, None))
-        except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
-            if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
-                exc.rank = 0
-            raise
-        except Exception as exc:  # one line, as for a rank of a launch (the traceback is in its status.json)
-            failed = DistevalError(f"rank 0 failed: {type(exc).__name__}: {exc}")
-            failed.rank = 0
-            raise failed from exc
-    elif int(cfg.dist.nnodes) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
-        rendezvous = Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck)
-        launch_local(container, run_dir, cfg.dist.world_size, Placement(allocator=choice, rendezvous=rendezvous))
-    else:
-        alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
-        launch_local(container, run_dir, cfg.dist.world_size,
-                     Placement("127.0.0.1" if alone else cfg.dist.master_addr, 0 if alone else cfg.dist.master_port,
-                               allocator=choice))
+    name = "local"
+    hydra_choices = ("basic",)
+
+    def start_ranks(self, cfg: Any, job: Any, container: dict, run_dir: str, choice: Any,
+                    on_agent_stuck: Callable[[BaseException], None] | None = None) -> None:
+        """See ``Launcher.start_ranks``; ``on_agent_stuck``: see ``launchers.local.Rendezvous``."""
+        from disteval.rank.engine import run_rank
+
+        if cfg.dist.world_size == 1 and (not choice.changes_env or choice.requested == "auto"):
+            # in this process, with its own allocator: `auto` does not start a second process at W=1 (measured:
+            # 2.5-4.7 s more start-up, a second import of torch); an allocator asked for by name does
+            try:
+                run_single(run_rank, (job, run_dir, None))
+            except DistevalError as exc:  # the driver ran rank 0 itself: launch.json names it as the culprit
+                if not isinstance(exc, RunInterrupted) and getattr(exc, "rank", None) is None:
+                    exc.rank = 0
+                raise
+            except Exception as exc:  # one line, as for a rank of a launch (the traceback is in its status.json)
+                failed = DistevalError(f"rank 0 failed: {type(exc).__name__}: {exc}")
+                failed.rank = 0
+                raise failed from exc
+        elif int(cfg.dist.nnodes) > 1:  # this node's share, meeting the others at dist.rdzv_endpoint
+            rendezvous = Rendezvous.from_config(cfg.dist, float(cfg.communication.timeout_s), on_agent_stuck)
+            launch_local(container, run_dir, cfg.dist.world_size, Placement(allocator=choice, rendezvous=rendezvous))
+        else:
+            alone = cfg.dist.world_size == 1  # a rank process for the allocator only: no peer needs the rendezvous
+            launch_local(container, run_dir, cfg.dist.world_size,
+                         Placement("127.0.0.1" if alone else cfg.dist.master_addr, 0 if alone else cfg.dist.master_port,
+                                   allocator=choice))
+
+    def run_probe(self, request: ProbeRequest) -> None:
+        """The probe ranks as local processes meeting at the run's ``dist.master_addr`` on a free port."""
+        launch(request.entry, (request.container, str(request.out_dir), request.payload_bytes), request.world_size,
+               str(request.out_dir), Placement(str(request.container["dist"].get("master_addr", "127.0.0.1")), 0))

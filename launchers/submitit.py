@@ -394,7 +394,13 @@ def export_rank_env() -> None:
     # the signal after which submitit requeues the job (its checkpoint signal)
     os.environ[launch_env.JOB_ID] = os.environ.get("SLURM_JOB_ID", "")
     os.environ[launch_env.NODE_RANK] = os.environ.get("SLURM_NODEID", "0")
-    os.environ[launch_env.PREEMPT_SIGNAL] = os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or launch_env.DEFAULT_PREEMPT_SIGNAL
+    os.environ[launch_env.PREEMPT_SIGNAL] = preempt_signal_name()
+
+
+def preempt_signal_name() -> str:
+    """submitit's checkpoint signal, without SIG: ``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default; submitit requeues
+    the job after it (up to ``max_num_timeout`` times)."""
+    return os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or launch_env.DEFAULT_PREEMPT_SIGNAL
 
 
 def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, setup: list[str] | None = None):
@@ -429,4 +435,5 @@ def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, worl
         pass
 
 
-__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor", "submit_run"]
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor", "preempt_signal_name",
+           "submit_run"]

@@ -213,3 +213,15 @@ def test_the_layout_page_s_tree_is_drawn_from_the_packages():
     assert drawn == tree.tree(), "docs/layout.md's tree is stale: run python scripts/layout_tree.py --write"
     for name in ("engine.py", "records.py", "cli.py"):  # the drawing is of the real tree
         assert f"    {name}" in drawn
+
+
+def test_adding_a_launcher_names_every_member_of_the_protocol():
+    """docs/extending.md's launcher table is tied to launchers.protocol.Launcher: every public member of the base
+    class has its row, and every row names a member that exists."""
+    from launchers.protocol import Launcher
+
+    text = (REPO / "docs" / "extending.md").read_text(encoding="utf-8").split("## Adding a launcher", 1)[1]
+    rows = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    members = {n for n in dir(Launcher) if not n.startswith("_")}
+    assert members - rows == set(), f"docs/extending.md lacks rows for {sorted(members - rows)}"
+    assert rows - members == set(), f"rows for members that do not exist: {sorted(rows - members)}"

@@ -27,7 +27,7 @@ class RankEnv:
 
 
 def external_launch_detected() -> bool:
-    """True when this process was started by an external launcher (torchrun, SLURM wrapper) that set the
+    """True when this process was started by an external launcher (torchrun, srun) that set the
     env:// variables RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
     return all(k in os.environ for k in ENV_KEYS)
 

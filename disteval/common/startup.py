@@ -27,7 +27,7 @@ def mark_process_start(t: float | None = None) -> float:
 def job_start() -> float:
     """The start of the job this driver is about to run (epoch seconds), exported as ``DISTEVAL_T0`` for its
     ranks: the process start recorded by ``mark_process_start`` for the first job, else now (a later job of a
-    multirun in the same process, or a job started without ``python -m disteval``, e.g. by submitit)."""
+    multirun in the same process, or a job started without ``python -m disteval``, e.g. by a scheduler's task)."""
     global _process_start
     start, _process_start = (_process_start if _process_start is not None else time.time()), None
     os.environ[ENV] = repr(start)

@@ -33,6 +33,7 @@ from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFail
 from disteval.job import rundir
 from disteval.job.records import LaunchRecord
 from disteval.job.run_report import present_results, write_report
+from launchers.registry import launcher_for, rank_launcher, register_hydra_plugins
 from disteval.job.rundir import (JOB_RECORDS, SHARED_RECORDS, RunDirBusy, RunDirOccupied, claim_run_dir, external_rank,
                              leads_nodes, node_dir, release_run_dir)
 
@@ -71,11 +72,9 @@ def run(cfg: DictConfig) -> int:
 
     hc = HydraConfig.get()
     launcher = str(hc.runtime.choices.get("hydra/launcher") or "")
-    if launcher.startswith("submitit") and hc.mode == RunMode.RUN:
-        # without -m: the one job goes through the same launcher, as a one-job sweep in the run directory
-        from launchers.submitit import submit_run
-
-        return submit_run(_hydra_main.__wrapped__)
+    if launcher_for(launcher).hands_over_run_mode and hc.mode == RunMode.RUN:
+        # without -m: the one job goes to the launcher (a scheduler's: a one-job sweep in the run directory)
+        return launcher_for(launcher).run_job(_hydra_main.__wrapped__)
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
     if external_rank() in (None, 0) and leads_nodes(cfg):  # one run per run directory (disteval.job.rundir)
@@ -135,7 +134,6 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     startup.job_start()  # this job's start, passed to its ranks (results.json timings.process_wall_s)
     driverlog.step(driverlog.composed(cfg, external))
     from disteval.comm import RankEnv
-    from launchers.local import start_ranks  # imports the ranks' engine before the launch step (start-up timing)
     from disteval.config import heterogeneous_policy
     from disteval.faults import apply_at_start
     from disteval.job.preflight import preflight, preflight_without_kernels
@@ -174,7 +172,8 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         # a pixel cache this run builds is its own until the ranks end (another job waits, then reads it)
         with (driver_build_lock(job.data, lambda m: _err.print(f"disteval: {escape(m)}", soft_wrap=True, highlight=False))
               if not external else contextlib.nullcontext()):
-            start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
+            ranks = rank_launcher(str(HydraConfig.get().runtime.choices.get("hydra/launcher") or ""), external)
+            ranks.start_ranks(cfg, job, container, run_dir, choice, lambda exc: _agent_stuck(exc, run_dir, record))
     except RunInterrupted as exc:  # as shells report a death by the signal: 128 + its number
         _err.print(f"[bold red]disteval:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return (143 if exc.signal_name == "SIGTERM" else 130), exc
@@ -226,7 +225,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     driverlog.finished(HydraConfig.get().runtime.output_dir, code)
     if code:
         hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN and not str(hc.runtime.choices.get("hydra/launcher") or "").startswith("submitit"):
+        if hc.mode == RunMode.MULTIRUN and launcher_for(hc.runtime.choices.get("hydra/launcher")).runs_sweep_jobs_in_process:
             # the basic launcher runs the jobs in this process: an exception (not SystemExit) marks this job
             # failed and lets the next ones run; Hydra's sweeper raises it after the last job (exit code 1)
             global _failed_sweep
@@ -243,14 +242,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     import warnings
 
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.disteval_launchers import LocalLauncher, SlurmLauncher
-    from launchers.submitit import SCHEMA_WARNING
-
-    warnings.filterwarnings("ignore", message=SCHEMA_WARNING)
-    for launcher in (SlurmLauncher, LocalLauncher):  # Hydra's scan misses them under an editable install
-        Plugins.instance().register(launcher)
+    for pattern in register_hydra_plugins():  # Hydra's scan misses them under an editable install
+        warnings.filterwarnings("ignore", message=pattern)
     if not startup.info_request(sys.argv[1:]):
         startup.progress("composing the config")
     problem = (unparsable_override(sys.argv[1:]) or next(filter(None, map(moved_key, sys.argv[1:])), None)

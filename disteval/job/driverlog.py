@@ -33,7 +33,7 @@ def _keep_off_console() -> None:
 
 def to_file(logger: logging.Logger, level: int, message: str) -> None:
     """Write ``message`` to the driver's log only: the console shows it once, printed by whoever reports the
-    outcome (a refused SLURM job: ``launchers.submitit``'s final line)."""
+    outcome (a refused scheduler job: its launcher's final line)."""
     _keep_off_console()
     logger.log(level, message, extra={_FILE_ONLY: True})
 

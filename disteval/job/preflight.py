@@ -86,7 +86,7 @@ def preflight(cfg: Any, notes: list[str] | None = None) -> None:
 
 
 def check_job(cfg: Any, notes: list[str]) -> None:
-    """The checks of one job wherever its ranks will run (the local launcher, and the submitit launchers on the
+    """The checks of one job wherever its ranks will run (the local launcher, and a scheduling launcher on the
     submitting host before anything is submitted): config values, fault drills, ``dist.parallel``, then the
     task's own (dataset root, model/checkpoint/weights, metric families) and the sync policy against the task's
     metric. Warnings are appended to ``notes``. Raises ConfigError, CheckpointError or DataError; the problems of
@@ -148,7 +148,7 @@ def check_parallel(cfg: Any, notes: list[str]) -> None:
 
 
 def preflight_without_kernels(cfg: Any, notes: list[str]) -> None:
-    """``preflight`` in a forked child, for a rank of an external launcher (torchrun, SLURM) with
+    """``preflight`` in a forked child, for a rank of an external launcher (torchrun, srun) with
     ``dist.heterogeneous=pin``: the checks build metrics and models, i.e. run torch kernels, and the first kernel
     fixes the process's CPU kernel set (``disteval.common.kernels``), which the rank must still be free to pin
     after meeting its peers. The child reports the notes, or its error's type, key and message, as JSON through

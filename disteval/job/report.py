@@ -216,7 +216,7 @@ def print_checkpoint_table(names: list[str], sections: list[tuple], console: Con
 
 def present(results: dict, section_of: Callable[[dict], tuple], console: Console | None = None) -> None:
     """The console of a finished run, from its results.json alone, the same on every launch path (rank 0 of local
-    ranks, the driver of a SLURM or submitit job): the metrics table with the task's section
+    ranks, the driver of a scheduler's job): the metrics table with the task's section
     (``section_of(metrics)``: the Task's ``console_section``), the intervals and the warnings; for a job of several
     checkpoints (results.json ``checkpoints``), the table of all members, the job's times and ranks, each member's
     intervals."""

@@ -46,7 +46,7 @@ def write_report(run_dir: str | Path) -> Path | None:
 
 def present_results(run_dir: str | Path, job) -> None:
     """The console of a finished run, printed by its driver on every launch path (local ranks, world size 1 in
-    the driver's process, rank 0 of an external torchrun, a SLURM job's submitter): RUN_DIR/results.json through
+    the driver's process, rank 0 of an external torchrun, a scheduler job's submitter): RUN_DIR/results.json through
     ``disteval.job.report.present`` with the section of the job's task (``Task.console_section``). ``job``: the
     job's composed config. Raises OSError / ValueError when results.json cannot be read."""
     from disteval.job.report import present

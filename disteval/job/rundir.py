@@ -165,7 +165,7 @@ def claim_run_dir(run_dir: str | os.PathLike, overwrite: bool, names: tuple[str,
 
     ``names``: ``RECORDS`` before Hydra writes into the directory (``RunDirGuard``); ``JOB_RECORDS`` from the job
     function (this job's .hydra/ and log are already there); ``SHARED_RECORDS`` for rank 0 under an external
-    launcher (torchrun, SLURM tasks): the other ranks have written into the shared directory, and a requeued
+    launcher (torchrun, a scheduler's tasks): the other ranks have written into the shared directory, and a requeued
     job's checkpoints in ranks/ must stay, so only a finished run's results.json is refused or moved aside."""
     key = str(Path(run_dir).resolve())
     if key in _held:

@@ -201,8 +201,8 @@ class SweepSummary(Callback):
     """Hydra callback: ``summarize_sweep(hydra.sweep.dir)`` when a multirun ends (also after failures).
 
     With Hydra's basic launcher (jobs in the driver's process) the summary files are also rewritten after each
-    job, because Hydra skips ``on_multirun_end`` when a job failed; the submitit launchers write it
-    themselves after failures."""
+    job, because Hydra skips ``on_multirun_end`` when a job failed; the scheduling launchers write
+    it themselves after failures."""
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         try:

@@ -221,13 +221,14 @@ def _warn(message: str) -> None:
 
 
 def _leads(config: DictConfig) -> bool:
-    """True in the process that owns the job's records: not a rank 1..W-1 of an external launcher (SLURM tasks
-    run the job once per rank), not a node other than the rendezvous host, and not the driver of a run that
-    submitit runs as a one-job sweep elsewhere (that job logs itself)."""
+    """True in the process that owns the job's records: not a rank 1..W-1 of an external launcher (a scheduler's
+    tasks run the job once per rank), not a node other than the rendezvous host, and not the driver of a run that
+    its launcher runs elsewhere (``Launcher.hands_over_run_mode``: that job logs itself)."""
     from disteval.job.rundir import external_rank, leads_nodes
+    from launchers.registry import launcher_for
 
     launcher = str(OmegaConf.select(config, "hydra.runtime.choices.hydra/launcher", default="") or "")
-    if config.hydra.mode == RunMode.RUN and launcher.startswith("submitit"):
+    if config.hydra.mode == RunMode.RUN and launcher_for(launcher).hands_over_run_mode:
         return False
     return external_rank() in (None, 0) and leads_nodes(config)
 
@@ -263,7 +264,7 @@ class TrackerCallback(Callback):
             return
         run_dir = Path(str(config.hydra.runtime.output_dir))
         sweep = Path(str(config.hydra.sweep.dir)) if config.hydra.mode == RunMode.MULTIRUN else None
-        if sweep is not None and sweep.resolve() == run_dir.resolve():  # submitit's one-job sweep of a single run
+        if sweep is not None and sweep.resolve() == run_dir.resolve():  # a launcher's one-job sweep of a single run
             sweep = None
         num = int(config.hydra.job.num) if sweep is not None else None
         self._guarded(run_dir / "results.json", lambda: self.log_job(load_job(run_dir, sweep, num)))
