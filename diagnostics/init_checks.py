@@ -19,7 +19,7 @@ from disteval.common.liveness import DRIVER_HEARTBEAT_S
 from disteval.job.records import is_network_error, recorded_progress
 from launchers.culprit import CONSEQUENCE_TYPES, is_consequence
 from launchers.protocol import SchedulerNote
-from launchers.registry import launcher_for
+from launchers.registry import launcher_for, launcher_of_job
 
 from diagnostics.evidence import Evidence, Run
 from diagnostics.findings import (Finding, culprit as _culprit, disk_full, error_ev, errors, interrupted,
@@ -325,7 +325,7 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
         return Finding("INIT", "scheduler", "skipped", "no job.json (not a failed job of a scheduler)")
     state = str(job.get("state", "")).upper()
     ev = [Evidence("job.json", state, field="state"), Evidence("job.json", str(job.get("error"))[:300], field="error")]
-    launcher = launcher_for(launcher_choice(run))
+    launcher = launcher_of_job(job, launcher_choice(run))
     note = launcher.scheduler_view(run.path, job, run.hydra)
     if note is not None:
         return _scheduler_finding(run, note, ev)

@@ -33,6 +33,17 @@ def launcher_for(choice: str | None) -> Launcher:
     return LAUNCHERS.get(str(choice or "basic"), LocalLauncher)()
 
 
+def launcher_of_job(job: dict, choice: str | None) -> Launcher:
+    """The launcher that wrote a job record (RUN_DIR/job.json): its ``launcher`` field, else the run's Hydra
+    choice when that is a scheduling launcher, else the SLURM launcher (the only one that wrote job.json before
+    the field existed)."""
+    named = job.get("launcher") if isinstance(job.get("launcher"), str) else None
+    if named in LAUNCHERS:
+        return launcher_for(named)
+    by_choice = launcher_for(choice)
+    return by_choice if by_choice.schedules else launcher_for("submitit_slurm")
+
+
 def rank_launcher(choice: str | None, external: bool) -> Launcher:
     """Who starts this job's ranks: the external launcher when this process already is a rank (torchrun, srun,
     a task of a scheduler's job), else ``launcher_for(choice)``."""

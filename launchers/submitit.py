@@ -194,7 +194,8 @@ class DistevalSubmititLauncher(BaseSubmititLauncher):
         ret.working_dir = str(run_dir)
         ret.status = JobStatus.FAILED
         ret._return_value = JobFailed(msg, state)
-        _write_job_record(run_dir, job_id, state, msg, int(cfg.dist.world_size))
+        _write_job_record(run_dir, {"job_id": job_id, "state": state, "error": msg, "world_size": int(cfg.dist.world_size),
+                                    "launcher": f"submitit_{self._EXECUTOR}"})
         return ret
 
     def _refused(self, cfg, idx: int, error: str) -> JobReturn:
@@ -423,14 +424,14 @@ def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, s
     return executor
 
 
-def _write_job_record(run_dir: Path, job_id: str, state: str, message: str, world_size: int) -> None:
-    """RUN_DIR/job.json with the scheduler's view of a failed job (read by the sweep summary)."""
+def _write_job_record(run_dir: Path, record: dict) -> None:
+    """RUN_DIR/job.json with the scheduler's view of a failed job (job_id, state, error, world_size and the
+    launcher's name; read by the sweep summary and the doctor)."""
     from disteval.job.records import atomic_write_json
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "job.json", {"job_id": job_id, "state": state, "error": message,
-                                                 "world_size": world_size})
+        atomic_write_json(run_dir / "job.json", record)
     except OSError:
         pass
 

@@ -115,3 +115,19 @@ def _write_rank(container: dict, out_dir: str, payload: int) -> None:
     import os
 
     Path(out_dir, f"rank{os.environ['RANK']}.txt").write_text(f"{payload} {os.environ['WORLD_SIZE']}")
+
+
+def test_the_launcher_that_wrote_a_job_record_reads_it(tmp_path):
+    """job.json names its launcher; a record of an older version (no name) is the SLURM launcher's, the only
+    one that wrote job.json then. Its scheduler view of a time limit proposes twice the run's limit."""
+    from omegaconf import OmegaConf
+
+    from launchers.registry import launcher_of_job
+
+    assert launcher_of_job({"launcher": "submitit_local"}, None).name == "submitit_local"
+    assert launcher_of_job({}, "basic").name == "submitit_slurm"
+    assert launcher_of_job({}, "submitit_local").name == "submitit_local"
+    hydra = OmegaConf.create({"hydra": {"launcher": {"timeout_min": 45}}})
+    note = launcher_of_job({}, None).scheduler_view(tmp_path, {"job_id": "9", "state": "TIMEOUT"}, hydra)
+    assert (note.kind, note.overrides) == ("time_limit", ("hydra.launcher.timeout_min=90",))
+    assert launcher_of_job({}, None).scheduler_view(tmp_path, {"job_id": "9", "state": "FAILED"}, hydra) is None
