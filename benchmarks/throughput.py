@@ -308,7 +308,7 @@ def child(args) -> None:
         passes["gather"] = lambda: _gather(model, data, w, autocast, most)
         passes["loader"] = lambda: _loader(model, _plain_loader(dataset, (start, end), cfg, device), w, autocast,
                                            normalize)
-    span = (run.shard[1] - run.shard[0]) if "disteval" in methods else (end - start)
+    span = (run.plan.shard[1] - run.plan.shard[0]) if "disteval" in methods else (end - start)
     batches = -(-span // int(cfg.data.batch_size))
 
     for m in methods:  # warm-up, not timed

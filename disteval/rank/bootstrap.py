@@ -17,7 +17,7 @@ from disteval.comm import Communicator, RankEnv, init_process_group, resolve_bac
 from disteval.config import JobConfig, job_config
 from disteval.errors import DiskFullError, DistevalError, RankDiedError
 from disteval.comm.board import StoreBoard, detect_shared_filesystem
-from disteval.common import launch_env, netif
+from disteval.common import launch_env, netif, startup
 from disteval.common.liveness import beat_lag
 from disteval.job.records import (StatusWriter, config_digest, error_record, is_network_error, pid_alive, rank_dir,
                               read_status, recorded_progress, relay_records, zombie_exit)
@@ -302,3 +302,10 @@ def apply_compute_settings(ctx: RankContext) -> dict:
                    # the pixels came from the exact pixel cache (the same pixels as the files')
                    "decode": str(cfg.data.decode), "pixel_cache": str(cfg.data.cache)}
     return ctx.compute
+
+
+def say(ctx: RankContext, message: str) -> None:
+    """A start-up progress line on the console (rank 0 only) and in this rank's log."""
+    log.info(message)
+    if ctx.rank == 0:
+        startup.progress(message)

@@ -21,7 +21,11 @@ from torch.utils.data import default_collate
 
 from disteval.common.fingerprint import fingerprint_digest
 from disteval.common.kernels import lowest_common, native_capability, pin_capability
+from disteval.common.fingerprint import rank_fingerprint
+from disteval.config import heterogeneous_policy as policy
 from disteval.errors import DataError, NumericDriftError
+from disteval.rank.bootstrap import say
+from disteval.rank.sync import in_collective
 
 NO_PROBE = bytes(16)  # the digest slot of a rank that could not load the probe (a real digest is never all zero)
 __all__ = ["Canary", "digest", "drift", "output_tensors", "pin_cpu_kernels", "pin_cuda", "probe_inputs"]
@@ -228,3 +232,39 @@ def settle(canary: Canary, policy: str, device: torch.device) -> dict:
         record = again
     raise NumericDriftError(describe(record) + "; dist.heterogeneous=pin could not make the ranks agree (the "
                             "difference is not one of the settings pinning controls)", record)
+
+
+def run_canary(run: Any) -> dict:
+    """The canary of a rank's run (``run``: its ``disteval.rank.engine.RankRun``) before the loop: the dataset's
+    first ``dist.canary_samples`` samples (one whole batch under ``eval.compile``: the loop's shape) through the
+    model on every rank, digests compared in one all_gather, ``dist.heterogeneous`` applied. Returns the record for results.json
+    ``canary`` ({skipped: why} without a model, on streamed data, under a device mesh, or when off). Raises
+    NumericDriftError (refuse, or pin that cannot make the ranks agree)."""
+    ctx, cfg = run.ctx, run.ctx.cfg
+    samples = int(cfg.data.batch_size) if cfg.eval.compile else int(cfg.dist.canary_samples)
+    skip = ("dist.canary_samples=0" if samples == 0 else "no model (replayed predictions)" if run.model is None
+            else "streamed data (no sample every rank can read)" if run.streamed
+            else "a device mesh (its ranks compute one forward together)" if run.mesh else
+            "an empty dataset" if len(run.dataset) == 0 else None)
+    if skip:
+        run.canary = {"skipped": skip}
+        return run.canary
+    step, collate = run._step(), run.task.collate_fn()
+    canary = Canary(lambda: step(run.model, probe_inputs(run.dataset, collate, samples)),
+                    min(samples, len(run.dataset)),
+                    ctx.comm if ctx.world_size > 1 else None,
+                    lambda: {"fingerprint": run.fingerprint, "host": ctx.status.record.get("host"),
+                             "node": (ctx.net or {}).get("node")})
+    try:
+        with in_collective(ctx.status, "canary"):
+            run.canary = settle(canary, policy(cfg), ctx.device)
+    except NumericDriftError as exc:  # the doctor reads the classes from the record of the run that stopped
+        ctx.status.update(canary=dict(exc.record, policy=policy(cfg)), force=True)
+        raise
+    if run.canary.get("pinned_cuda"):  # the CUDA settings changed: record them as now in force
+        run.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), run.allocator.get("in_force"))
+    if ctx.cpu_kernels:
+        run.canary["cpu_kernels"] = ctx.cpu_kernels
+    if not run.canary.get("homogeneous", True):
+        say(ctx, f"warning: {describe(run.canary)} (dist.heterogeneous={run.canary['policy']})")
+    return run.canary

@@ -22,31 +22,31 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from disteval.rank import model_set
 from disteval import precision as prec
 from disteval.job import report
-from disteval.rank.bootstrap import RankContext, apply_compute_settings, connect, log, open_records
+from disteval.rank.bootstrap import RankContext, apply_compute_settings, connect, log, open_records, say
 from disteval.comm import RankEnv, destroy_process_group
 from disteval.common import allocator, launch_env, startup
-from disteval.common.fingerprint import numeric_classes, rank_fingerprint
+from disteval.common.fingerprint import rank_fingerprint
 from disteval.common.liveness import beat_interval, heartbeat_timeout, heartbeat_timeout_key
-from disteval.common.ranges import batch_aligned_bounds, shard_bounds
-from disteval.errors import ConfigError, CoverageError, NumericDriftError
-from disteval.rank.canary import Canary, describe, pin_cpu_kernels, probe_inputs, settle
+from disteval.errors import ConfigError
+from disteval.rank.canary import pin_cpu_kernels, run_canary
 from disteval.config import JobConfig, job_config
 from disteval.config import heterogeneous_policy as policy
 from disteval.faults import FaultPlan, apply_at_start
 from disteval.rank.loop import CallbackHook, FaultHook, GuardHook, ShardSpec, StatusHook, evaluate_shard, pipeline_record
 from disteval.metrics import check_coverage, raise_if_incomplete
 from disteval.metrics.evaluator import Evaluator
-from disteval.metrics.robust import rank_outliers, summarize_trials
+from disteval.metrics.robust import rank_outliers
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.rank.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
+from disteval.rank.intervals import Intervals
+from disteval.rank.results import exclusion_record, finish, finish_members
 from disteval.rank.peers import PeerFailedError, PeerWatch
-from disteval.metrics.bootstrap import CI_PROBS_MAX_CLASSES, intervals
-from disteval.models.checkpoint_set import with_checkpoint
-from disteval.rank.predictions import PredictionHook, SampleStatsHook, store_record, weights_digest
-from disteval.job.records import (atomic_write_json, build_results, config_digest, rank_dir, read_status, relay_records,
+from disteval.rank.plan import RunPlan
+from disteval.rank.predictions import store_hook
+from disteval.job.records import (atomic_write_json, config_digest, rank_dir, relay_records,
                               write_results)
 from disteval.rank.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
-from disteval.rank.sync import SyncPolicy, check_tp_peers, synchronise
+from disteval.rank.sync import SyncPolicy, check_tp_peers, in_collective, synchronise
 from disteval.tasks import resolve_task
 from disteval.rank.watchdog import Watchdog, parent_to_watch, record_driver_death
 
@@ -62,7 +62,7 @@ class RankRun:
         self.ctx, cfg = ctx, ctx.cfg
         t_load = time.perf_counter()
         ctx.status.update(phase="data")
-        _say(ctx, f"rank 0 of {ctx.world_size} up (process group joined); loading data and model")
+        say(ctx, f"rank 0 of {ctx.world_size} up (process group joined); loading data and model")
         self.task = resolve_task(cfg)(cfg)
         self.task.join(ctx.rank, _share(ctx) if ctx.world_size > 1 else None)
         self.dataset = self.task.dataset()
@@ -78,41 +78,25 @@ class RankRun:
             self.faults.on_model(self.model)
         self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
         self.seconds_load = time.perf_counter() - t_load
-        _say(ctx, f"data and model loaded in {self.seconds_load:.1f} s; evaluating {len(self.dataset)} samples")
-        self.bitwise = ctx.compute["mode"] == "bitwise"
-        self.sampler = str(cfg.data.sampler)
+        say(ctx, f"data and model loaded in {self.seconds_load:.1f} s; evaluating {len(self.dataset)} samples")
         self.policy = SyncPolicy.from_config(cfg.communication)
         n, b = len(self.dataset), int(cfg.data.batch_size)
-        # the data is split over the data-parallel ranks: all ranks without a mesh, dp ranks under one
-        self.dp_rank, self.dp_size = (self.mesh.dp_rank, self.mesh.dp_size) if self.mesh else (ctx.rank, ctx.world_size)
-        self.shard = (batch_aligned_bounds(n, b, self.dp_size, self.dp_rank) if self.bitwise
-                      else shard_bounds(n, self.dp_size, self.dp_rank))
         if self.mesh and self.streamed:
             raise ConfigError("dist.parallel", "a device mesh needs a map-style dataset, not a streamed one")
-        self.dummy_steps = self.mesh.lockstep(n, b, self.bitwise) if self.mesh else 0
+        # the data is split over the data-parallel ranks: all ranks without a mesh, dp ranks under one
+        dp_rank, dp_size = (self.mesh.dp_rank, self.mesh.dp_size) if self.mesh else (ctx.rank, ctx.world_size)
+        self.plan = RunPlan.of(cfg, n, dp_rank, dp_size, self.streamed, self.mesh is not None)
+        self.dummy_steps = self.mesh.lockstep(n, b, self.plan.bitwise) if self.mesh else 0
         if self.mesh:
             ctx.status.update(parallel=self.mesh.status_record(), force=True)
         # preemption: resume from this rank's checkpoint, and write one when the scheduler signals the job
-        # (single-trial exact runs only: a checkpoint holds one pass over one exact shard)
         self.ckpt_path = rank_dir(ctx.run_dir, ctx.rank) / CHECKPOINT
-        self.ckpt_key = {"config": config_digest(cfg), "world_size": ctx.world_size, "rank": ctx.rank,
-                         "shard": list(self.shard), "job": launch_env.job_id()}
-        # streamed data in fast mode with several loader workers: their positions are not one count per rank
-        fast_multi_worker_stream = (self.streamed and not self.bitwise
-                                    and int(cfg.data.num_workers) > 1)
-        # (not under a mesh: a resumed rank would skip batches its FSDP/TP peers still run)
-        self.resumable = (int(cfg.eval.trials) == 1 and self.sampler == "exact" and not fast_multi_worker_stream
-                          and self.mesh is None)
+        self.ckpt_key = self.plan.checkpoint_key(config_digest(cfg), ctx.world_size, ctx.rank, launch_env.job_id())
         self.outcomes: list[dict] = []
         self.skipped_before: list[int] = []  # streamed data: positions skipped before a resume
         self.canary: dict | None = None
-        self.store = self._store()
-        cols = self.task.sample_columns() if int(cfg.eval.ci.resamples) > 0 else None
-        self.stats = None
-        self.ci_metric = None  # rank 0's synchronised metric whose Task.confidence_intervals come after results.json
-        if cols is not None:  # per-sample rows for the intervals, one set per checkpoint of a model.checkpoints job
-            self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(cols) for m in self.members})
-                          if self.members else SampleStatsHook(cols))
+        self.store = store_hook(ctx, self.task, self.members)
+        self.intervals = Intervals(ctx, self.task, self.members)
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -131,54 +115,9 @@ class RankRun:
             model = parallel_model(model, self.mesh.groups)
         return prepare(model) if model is not None else None
 
-    def _store(self) -> PredictionHook | None:
-        """The prediction store's hook (``eval.save_predictions=true`` for a task with a store schema,
-        ``Task.prediction_schema``), else None."""
-        schema = self.task.prediction_schema() if self.ctx.cfg.eval.save_predictions else None
-        if schema is None:
-            return None
-        if self.members:
-            return model_set.MemberHooks({m.name: PredictionHook(str(model_set.member_dir(self.ctx.run_dir, m)),
-                                                                 self.ctx.rank, schema, self.task.prediction_columns)
-                                          for m in self.members})
-        return PredictionHook(self.ctx.run_dir, self.ctx.rank, schema, self.task.prediction_columns)
-
     def check_canary(self) -> dict:
-        """The canary before the loop (``disteval.rank.canary``): the dataset's first ``dist.canary_samples`` samples
-        (one whole batch under ``eval.compile``: the loop's shape) through the model on every rank, digests
-        compared in one all_gather, ``dist.heterogeneous`` applied. Returns the record for results.json
-        ``canary`` ({skipped: why} without a model, on streamed data, under a device mesh, or when off). Raises
-        NumericDriftError (refuse, or pin that cannot make the ranks agree)."""
-        ctx, cfg = self.ctx, self.ctx.cfg
-        samples = int(cfg.data.batch_size) if cfg.eval.compile else int(cfg.dist.canary_samples)
-        skip = ("dist.canary_samples=0" if samples == 0 else "no model (replayed predictions)" if self.model is None
-                else "streamed data (no sample every rank can read)" if self.streamed
-                else "a device mesh (its ranks compute one forward together)" if self.mesh else
-                "an empty dataset" if len(self.dataset) == 0 else None)
-        if skip:
-            self.canary = {"skipped": skip}
-            return self.canary
-        step, collate = self._step(), self.task.collate_fn()
-        canary = Canary(lambda: step(self.model, probe_inputs(self.dataset, collate, samples)),
-                        min(samples, len(self.dataset)),
-                        ctx.comm if ctx.world_size > 1 else None,
-                        lambda: {"fingerprint": self.fingerprint, "host": ctx.status.record.get("host"),
-                                 "node": (ctx.net or {}).get("node")})
-        ctx.status.update(in_collective={"op": "canary", "since": time.time()}, force=True)
-        try:
-            self.canary = settle(canary, policy(cfg), ctx.device)
-        except NumericDriftError as exc:  # the doctor reads the classes from the record of the run that stopped
-            ctx.status.update(canary=dict(exc.record, policy=policy(cfg)), force=True)
-            raise
-        finally:
-            ctx.status.update(in_collective=None)
-        if self.canary.get("pinned_cuda"):  # the CUDA settings changed: record them as now in force
-            self.fingerprint = rank_fingerprint(ctx.device, str(cfg.precision.model_dtype), self.allocator.get("in_force"))
-        if ctx.cpu_kernels:
-            self.canary["cpu_kernels"] = ctx.cpu_kernels
-        if not self.canary.get("homogeneous", True):
-            _say(ctx, f"warning: {describe(self.canary)} (dist.heterogeneous={self.canary['policy']})")
-        return self.canary
+        """The canary before the loop (``disteval.rank.canary.run_canary``); sets and returns ``self.canary``."""
+        return run_canary(self)
 
     def evaluator(self) -> Evaluator:
         """A fresh evaluator of the task's metric (one per trial), its states on the model's device when the
@@ -186,12 +125,12 @@ class RankRun:
         metric = model_set.member_metrics(self.task, self.members) if self.members else self.task.metric()
         if metric.device_resident:
             metric.to(self.ctx.device)
-        return Evaluator(metric, bitwise=self.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
+        return Evaluator(metric, bitwise=self.plan.bitwise, record_batches=bool(self.ctx.cfg.eval.record_batches))
 
     def _spec(self, skip: int) -> ShardSpec:
         cfg, collate = self.ctx.cfg, self.task.collate_fn()
-        return ShardSpec(self.dp_rank, self.dp_size, int(cfg.data.batch_size), aligned=self.bitwise,
-                         sampler=self.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
+        return ShardSpec(self.plan.dp_rank, self.plan.dp_size, int(cfg.data.batch_size), aligned=self.plan.bitwise,
+                         sampler=self.plan.sampler, skip=skip, num_workers=int(cfg.data.num_workers),
                          collate_fn=self.faults.loader_collate(collate),
                          pin_memory=self.ctx.device.type == "cuda" and collate is None,
                          device=self.ctx.device, prefetch_factor=int(cfg.data.prefetch_factor),
@@ -202,13 +141,13 @@ class RankRun:
                          dummy_inputs=first_inputs(self.dataset, collate) if self.dummy_steps else None)
 
     def _resume(self, ev: Evaluator) -> int:
-        ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.resumable and not self.outcomes else None
+        ckpt = load_checkpoint(self.ckpt_path, self.ckpt_key) if self.plan.resumable and not self.outcomes else None
         if ckpt is None:
             return 0
         ev.load_state_dict(ckpt["state"])
         self.skipped_before = [int(i) for i in ckpt["state"].get("stream_skipped", [])]
         log.info("resuming from %s: %d of %d samples already counted", self.ckpt_path, ckpt["samples_done"],
-                 self.shard[1] - self.shard[0])
+                 self.plan.shard[1] - self.plan.shard[0])
         return int(ckpt["samples_done"])
 
     def _hooks(self, progress_display, guard) -> list:
@@ -232,8 +171,8 @@ class RankRun:
         hooks.append(FaultHook(self.faults))
         if self.store is not None and not self.outcomes:  # the first trial's predictions
             hooks.append(self.store)
-        if self.stats is not None and not self.outcomes:
-            hooks.append(self.stats)
+        if self.intervals.stats is not None and not self.outcomes:
+            hooks.append(self.intervals.stats)
         return hooks
 
     def _step(self):
@@ -261,7 +200,7 @@ class RankRun:
         ev = self.evaluator()
         skip = self._resume(ev)
         guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
-                                                        guard.progress.samples, self.ckpt_key)) if self.resumable else None
+                                                        guard.progress.samples, self.ckpt_key)) if self.plan.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)
         with display:
             with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states
@@ -277,64 +216,30 @@ class RankRun:
             display.finish()
         return out
 
+    def finish(self, t_total: float) -> dict | None:
+        """On rank 0: combine trials, write results.json (``disteval.rank.results.finish``); None elsewhere."""
+        return finish(self, t_total)
+
     def add_intervals(self, results: dict | None) -> None:
-        """``eval.ci``: the bootstrap intervals, computed after results.json holds the metrics (``finish``), so
-        that a long bootstrap interrupted (Ctrl-C, a time limit) loses none of them; rank 0 then rewrites
-        results.json (and each checkpoint's) with ``confidence_intervals``. Every rank calls it: the per-sample
-        rows are gathered to rank 0 (a collective)."""
-        ci = self.ctx.cfg.eval.ci
-        if self.stats is not None:
-            got = self._intervals()
-        elif self.ci_metric is not None:
-            got = self._task_intervals(self.ci_metric, ci)
-        else:
-            return
+        """``eval.ci``: the intervals (``disteval.rank.intervals``), computed after results.json holds the metrics
+        (``finish``); rank 0 then rewrites results.json (and each checkpoint's) with ``confidence_intervals``.
+        Every rank calls it: the per-sample rows are gathered to rank 0 (a collective)."""
+        got = self.intervals.compute()
         if self.ctx.rank != 0 or results is None or got is None:
             return
         results["confidence_intervals"] = got
         if self.members:
-            self._finish_members(results)
+            finish_members(self, results)
         else:
             write_results(self.ctx.run_dir, results)
-
-    def _intervals(self) -> dict | None:
-        """The bootstrap intervals of the per-sample rows (``_intervals_of``); {name: intervals} for the
-        checkpoints of a ``model.checkpoints`` job (one gather each, in the set's order); None off rank 0."""
-        if not self.members:
-            return self._intervals_of(self.stats)
-        out = {name: self._intervals_of(hook) for name, hook in self.stats.hooks.items()}
-        return out if self.ctx.rank == 0 else None
-
-    def _intervals_of(self, stats: SampleStatsHook) -> dict | None:
-        """Every rank's per-sample rows to rank 0 (one gather), which computes the bootstrap intervals
-        (``disteval.metrics.bootstrap``); None on the other ranks."""
-        ctx, ci = self.ctx, self.ctx.cfg.eval.ci
-        ctx.status.update(in_collective={"op": "bootstrap_gather", "since": time.time()}, force=True)
-        try:
-            parts = ctx.comm.gather_variable(stats.rows(), dst=0) if ctx.world_size > 1 else [stats.rows()]
-        finally:
-            ctx.status.update(in_collective=None)
-        if parts is None:
-            return None
-        t0 = time.perf_counter()
-        out = intervals(torch.cat(parts).numpy(), stats.cols, int(ci.resamples), float(ci.level), int(ci.seed))
-        if "ranking" in self.ctx.cfg.eval.metrics and not stats.cols.probs:
-            out["not_computed"] = [f"auroc_macro: {self.task.num_classes} classes (the interval gathers every "
-                                   f"sample's probabilities, done up to {CI_PROBS_MAX_CLASSES} classes)"]
-        out["seconds"] = time.perf_counter() - t0
-        return out
 
     def _after_loop(self, ev: Evaluator) -> float:
         """The task's collectives between the loop and the synchronisation (``Task.after_loop``), recorded as
         the collective phase this rank is in (the watchdog and the doctor read it). Returns its seconds
         (results.json ``timings.after_loop``: the sharded search of an embedding task)."""
-        ctx = self.ctx
-        ctx.status.update(in_collective={"op": "task_after_loop", "since": time.time()}, force=True)
         t0 = time.perf_counter()
-        try:
-            self.task.after_loop(ev.metric, ctx.comm)
-        finally:
-            ctx.status.update(in_collective=None)
+        with in_collective(self.ctx.status, "task_after_loop"):
+            self.task.after_loop(ev.metric, self.ctx.comm)
         return time.perf_counter() - t0
 
     def _row(self, ev: Evaluator, progress) -> dict:
@@ -363,8 +268,8 @@ class RankRun:
         exclude = bool(cfg.eval.exclude_outlier_ranks)
         local = ev.state_dict() if exclude else None
         if self.mesh is not None:
-            ctx.status.update(in_collective={"op": "tp_check", "since": time.time()}, force=True)
-            self.mesh.tp_check = check_tp_peers(ev, self.mesh.tp_comm, self.mesh.groups.tp_peers)
+            with in_collective(ctx.status, "tp_check"):
+                self.mesh.tp_check = check_tp_peers(ev, self.mesh.tp_comm, self.mesh.groups.tp_peers)
         ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
         synced = synchronise(ev, comm, row, self.policy)
         key = self.task.rank_metric  # the task's per-rank result; None: outliers are not looked for
@@ -385,147 +290,15 @@ class RankRun:
         ctx.status.update(in_collective=None)
         if ctx.rank == 0:
             cov = check_coverage(synced.runs, len(self.dataset))
-            if self.sampler == "exact":
+            if self.plan.sampler == "exact":
                 raise_if_incomplete(cov)
             elif not cov.ok:
-                log.warning("data.sampler=%s: %s", self.sampler, cov.message())
+                log.warning("data.sampler=%s: %s", self.plan.sampler, cov.message())
             out["coverage"], out["metrics"] = cov, final.metric.compute()
-            ci = cfg.eval.ci
-            if int(ci.resamples) > 0 and self.stats is None and not self.outcomes:
-                self.ci_metric = final.metric  # its intervals come after results.json (add_intervals)
+            if not self.outcomes:
+                self.intervals.keep(final.metric)  # its intervals come after results.json (add_intervals)
             if kept_runs is not None:
-                out["exclusion"] = self._exclusion_record(drop, kept_runs, synced.rows, ev.metric.compute())
-        return out
-
-    def _task_intervals(self, metric, ci) -> dict | None:
-        """``Task.confidence_intervals`` of the synchronised metric (rank 0), with its seconds; {name: ...}
-        per checkpoint of a ``model.checkpoints`` job."""
-        def one(m):
-            t0 = time.perf_counter()
-            out = self.task.confidence_intervals(m, int(ci.resamples), float(ci.level), int(ci.seed))
-            return None if out is None else dict(out, seconds=time.perf_counter() - t0)
-        return {n: one(m) for n, m in metric.metrics.items()} if self.members else one(metric)
-
-    def _exclusion_record(self, drop: list[int], kept_runs, rows: list[dict], all_metrics: dict) -> dict:
-        """What ``eval.exclude_outlier_ranks`` left out: ranks, hosts, their shards and sample count, and the
-        metrics with every rank. Raises CoverageError if the kept ids are not exactly the other ranks' shards."""
-        fields = {int(r["rank"]): r for r in rows}
-        left = sum(int(fields[r]["samples"]) for r in drop)
-        n = len(self.dataset)
-        cov = check_coverage(kept_runs, n)
-        if cov.duplicated or cov.out_of_range or cov.missing != left:
-            raise CoverageError(f"after excluding outlier ranks {drop}: expected exactly {left} ids left "
-                                f"out, {cov.message()}")
-        return {"ranks": list(drop), "hosts": [(read_status(self.ctx.run_dir, r) or {}).get("host") for r in drop],
-                "shards": [[int(fields[r]["start"]), int(fields[r]["end"])] for r in drop],
-                "samples_left_out": left, "samples_kept": n - left, "metrics_all_ranks": all_metrics}
-
-    def finish(self, t_total: float) -> dict | None:
-        """On rank 0: combine trials, write results.json, print; warn about fault drills that never fired."""
-        ctx, cfg, outcomes = self.ctx, self.ctx.cfg, self.outcomes
-        for fault in self.faults.unfired():
-            log.warning("%s=%s: %s after batch %d never fired: this rank had %d batches", "DISTEVAL_FAULTS",
-                        os.environ.get("DISTEVAL_FAULTS"), fault.kind, int(fault.params.get("batch", 1)),
-                        outcomes[-1]["batches"])
-        if ctx.rank != 0:
-            return None
-        last = outcomes[-1]
-        metrics, trial_summary = summarize_trials([o["metrics"] for o in outcomes], cfg.eval.trial_aggregate,
-                                                  float(cfg.eval.clip_sigma))
-        run = {"run_dir": ctx.run_dir, "world_size": ctx.world_size, "num_samples": len(self.dataset),
-               "dataset": self.task.describe(), "task": dict(self.task.identity(), main_metric=self.task.main_metric(metrics),
-                                                                 lower_is_better=self.task.lower_is_better(metrics)),
-               "model_class": type(self.model).__name__ if self.model is not None else None, "coverage": last["coverage"],
-               "comm": self.mesh.comm_stats(ctx.comm) if self.mesh else ctx.comm.stats(),
-               "backend": ctx.backend, "device": str(ctx.device), "compute": ctx.compute,
-               # each rank's host/node/interface/address from its record (its file, or the rendezvous store when
-               # the run directory is node-local), not from the synchronised rows: the rows' bytes stay the same
-               # in every node layout
-               "net": {r: ((ctx.read_peer(r) or {}).get("net") if r else ctx.net) for r in range(ctx.world_size)},
-               "timings": _timings(self.seconds_load, sum(o["seconds_sync"] for o in outcomes), t_total,
-                                   sum(o["seconds_after_loop"] for o in outcomes))}
-        results = build_results(cfg, run, last["rows"], metrics, extra={
-            "sampler": self.sampler, "exact": last["coverage"].ok, "trials": trial_summary if len(outcomes) > 1 else None,
-            "outliers": last["outliers"], "exclusion": last["exclusion"], "warnings": self._warnings(last["rows"]),
-            "allocator": allocator.summarize([r.get("allocator") for r in last["rows"]]),
-            "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
-                                                if r.get("fingerprint")}),
-            "canary": self.canary, "confidence_intervals": None,  # added after this write (add_intervals)
-            "filesystem": ctx.filesystem,
-            **({"parallel": self.mesh.record()} if self.mesh else {}),
-            **self._decode_errors(last["rows"])})
-        if self.store is not None:
-            results["predictions"] = self._store_record([r["predictions"] for r in last["rows"]])
-        if self.members:
-            return self._finish_members(results)
-        write_results(ctx.run_dir, results)  # the driver presents it (disteval.job.run_report.present_results)
-        return results
-
-    def _store_record(self, entries: list[dict]) -> dict:
-        """The store's manifest(s) and results.json ``predictions``; a job of several checkpoints has one store
-        per checkpoint under ``checkpoints/<name>/`` ({name: record})."""
-        cfg, run_dir = self.ctx.cfg, Path(self.ctx.run_dir)
-
-        def identity(net) -> dict:
-            return {"task": self.task.name, "num_samples": len(self.dataset), "weights_digest": weights_digest(net),
-                    "num_classes": getattr(self.task, "num_classes", None),
-                    "columns": [f"{f.name}: {f.type}" for f in self.task.prediction_schema()]}
-        if not self.members:
-            return store_record(run_dir, cfg, identity(self.model), entries)
-        return {m.name: store_record(run_dir / model_set.RESULTS_DIR / m.name, with_checkpoint(cfg, m.path),
-                                     identity(self.model.members[m.name]), [e[m.name] for e in entries])
-                for m in self.members}
-
-    def _finish_members(self, results: dict) -> dict:
-        """A job of several checkpoints: each member's results.json, the job's with ``checkpoints`` blocks
-        (``disteval.rank.model_set``), each member's metrics on the console and the table of all."""
-        nets = self.model.members
-        results.pop("checkpoints", None)  # a second write (add_intervals): each member's record is its own
-        results["model"]["class"] = type(next(iter(nets.values()))).__name__
-        blocks = model_set.write_member_results(results, self.members, {m: weights_digest(n) for m, n in nets.items()})
-        results["checkpoints"] = [{k: v for k, v in b.items() if k != "own"} for b in blocks]
-        results["task"]["lower_is_better"] = sorted({k for b in blocks for k in self.task.lower_is_better(b["metrics"])})
-        write_results(self.ctx.run_dir, results)
-        return results
-
-    def _decode_errors(self, rows: list[dict]) -> dict:
-        """Streamed data: ``decode_errors`` {policy, skipped, evaluated, samples ("N of M samples"), ids
-        [[shard, key], ...]} for results.json, and a console line when samples were skipped. {} otherwise."""
-        if not self.streamed:
-            return {}
-        skipped = sorted(int(p) for r in rows for p in r.get("skipped", []))
-        n = len(self.dataset)
-        if skipped:
-            _say(self.ctx, f"{len(skipped)} of {n} samples did not decode and were skipped "
-                           f"(data.on_decode_error=skip; ids in results.json decode_errors)")
-        return {"decode_errors": {"policy": str(self.ctx.cfg.data.on_decode_error), "skipped": len(skipped),
-                                  "evaluated": n - len(skipped), "samples": f"{n - len(skipped)} of {n} samples",
-                                  "ids": [list(self.dataset.sample_name(p)) for p in skipped]}}
-
-    def _warnings(self, rows: list[dict]) -> list[str]:
-        """What the user should know although the run succeeded: the preflight's notes (an empty predictions
-        file, ineffective settings, a rebuilt cache file), the task's (``Task.run_warnings``: zero embeddings)
-        and ranks that had nothing to evaluate (W > N, or fewer global batches than ranks in bitwise mode)."""
-        out = [str(n) for n in self.ctx.cfg.preflight_notes] + list(self.task.run_warnings())
-        malloc = allocator.summarize([r.get("allocator") for r in rows])
-        if malloc and malloc.get("warning"):
-            out.append(malloc["warning"])
-        classes = numeric_classes({int(r["rank"]): r["fingerprint"] for r in rows if r.get("fingerprint")})
-        canary = self.canary or {}
-        if canary.get("homogeneous") is False:
-            out.append(f"the metrics depend on the placement of samples: {describe(canary)} (results.json canary; "
-                       "dist.heterogeneous=pin runs every rank on the common kernels)")
-        elif len(classes) > 1:
-            out.append(f"the ranks ran different kernels ({len(classes)} numeric classes: " + "; ".join(
-                f"ranks {c['ranks']}" + (f" differ in {', '.join(c['differs'])}" if c.get("differs") else "")
-                for c in classes) + "): float metrics may depend on which samples each rank evaluated "
-                "(results.json numeric_classes)" + ("; the canary's probe batch gave the same bits on every rank"
-                                                    if canary.get("homogeneous") else ""))
-        idle = [int(r["rank"]) for r in rows if int(r["samples"]) == 0]
-        if idle:
-            out.append(f"rank(s) {idle} of {self.ctx.world_size} had nothing to evaluate (N={len(self.dataset)} "
-                       f"samples{', in whole batches of ' + str(self.ctx.cfg.data.batch_size) if self.bitwise else ''}"
-                       f"): they only took part in the synchronisation; fewer ranks would do")
+                out["exclusion"] = exclusion_record(self, drop, kept_runs, synced.rows, ev.metric.compute())
         return out
 
 
@@ -534,33 +307,10 @@ def _share(ctx: RankContext):
     recorded as the collective this rank waits in (the watchdog and the doctor read it)."""
 
     def share(payload: bytes | None) -> bytes:
-        ctx.status.update(in_collective={"op": "broadcast_bytes", "since": time.time()}, force=True)
-        try:
+        with in_collective(ctx.status, "broadcast_bytes"):
             return ctx.comm.broadcast_bytes(payload)
-        finally:
-            ctx.status.update(in_collective=None)
 
     return share
-
-
-def _say(ctx: RankContext, message: str) -> None:
-    """A start-up progress line on the console (rank 0 only) and in this rank's log."""
-    log.info(message)
-    if ctx.rank == 0:
-        startup.progress(message)
-
-
-def _timings(load: float, sync: float, t_total: float, after_loop: float = 0.0) -> dict:
-    """results.json ``timings`` (seconds): load, sync, after_loop (the task's work between the loop and the
-    synchronisation, ``Task.after_loop``: an embedding task's sharded search; 0 for most tasks);
-    ``evaluation_s`` = rank 0's bootstrap, load, forward and sync (from this rank's start after its imports,
-    ``t_total`` on the perf_counter clock, to now), also kept as ``total``; ``process_wall_s`` = the whole
-    run's wall time, from the start of the job's driver process (``python -m disteval``; a later job of a
-    multirun in one process: its own start) to now, None when the driver did not pass its start
-    (``DISTEVAL_T0``)."""
-    evaluation = time.perf_counter() - t_total
-    return {"load": load, "sync": sync, "after_loop": after_loop, "total": evaluation, "evaluation_s": evaluation,
-            "process_wall_s": startup.seconds_since_start()}
 
 
 def start_watchdog(ctx: RankContext, parent: int | None) -> Watchdog:

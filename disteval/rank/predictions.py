@@ -17,6 +17,7 @@ import torch
 from disteval.data.prediction_columns import build_table
 from disteval.data.prediction_store import (MANIFEST, SCHEMA_VERSION, file_sha256, preprocessing_digest,
                                             preprocessing_values)
+from disteval.rank import model_set
 from disteval.rank.loop import LoopHook
 from disteval.metrics.bootstrap import SampleColumns, per_sample
 from disteval.job.records import atomic_write_json
@@ -127,3 +128,16 @@ def store_record(run_dir: str | Path, cfg: Any, identity: dict, entries: list[di
     return {"manifest": str(path.relative_to(run_dir)), "rows": sum(int(e["rows"]) for e in entries),
             "seconds": max(float(e["seconds"]) for e in entries),
             "import_seconds": max(float(e["import_seconds"]) for e in entries)}
+
+
+def store_hook(ctx: Any, task: Any, members: list) -> Any:
+    """The prediction store's loop hook of a rank (``ctx``: its RankContext) for ``eval.save_predictions=true``
+    and a task with a store schema (``Task.prediction_schema``): a ``PredictionHook``, or one per checkpoint of a
+    ``model.checkpoints`` job (``members``) under ``checkpoints/<name>/``; None otherwise."""
+    schema = task.prediction_schema() if ctx.cfg.eval.save_predictions else None
+    if schema is None:
+        return None
+    if members:
+        return model_set.MemberHooks({m.name: PredictionHook(str(model_set.member_dir(ctx.run_dir, m)), ctx.rank,
+                                                             schema, task.prediction_columns) for m in members})
+    return PredictionHook(ctx.run_dir, ctx.rank, schema, task.prediction_columns)

@@ -17,10 +17,12 @@ gather-state adds one metadata all_gather and one variable-size gather
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -31,6 +33,19 @@ from disteval.metrics.evaluator import Evaluator
 from disteval.metrics.ordered_sum import BatchTreeSum
 
 RESERVED = "payload_sizes"
+
+
+@contextlib.contextmanager
+def in_collective(status: Any, op: str) -> Iterator[None]:
+    """The block is a collective phase of this rank: its status record says ``in_collective {op, since}`` (written
+    at once) while the block runs, and nothing once it ends, also when it raises. The watchdog blames the peers
+    that never arrive and the doctor names the phase from it. ``status``: the rank's status writer (anything with
+    ``update(**fields, force=bool)``); ``op``: e.g. ``synchronise``, ``canary``, ``bootstrap_gather``."""
+    status.update(in_collective={"op": op, "since": time.time()}, force=True)
+    try:
+        yield
+    finally:
+        status.update(in_collective=None)
 
 
 @dataclass
