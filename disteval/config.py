@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from disteval.common.allocator import POLICIES as ALLOCATORS
+from disteval.common.closed_sets import COMPRESSION_MODES, IOU_TYPES
 from disteval.common.pipeline import DECODERS, PIXEL_CACHE_MODES
 from disteval.errors import ConfigError
 from disteval.precision import check_metric_dtypes
@@ -69,13 +70,8 @@ class Backend(StrEnum):
     nccl = "nccl"
 
 
-class Compression(StrEnum):
-    """Payload compression of gathered states (see ``disteval.comm.compression``)."""
-
-    none = "none"
-    lossless = "lossless"
-    fp16 = "fp16"
-    bf16 = "bf16"
+Compression = StrEnum("Compression", [(mode, mode) for mode in COMPRESSION_MODES])
+Compression.__doc__ = "Payload compression of gathered states (``disteval.common.closed_sets.COMPRESSION_MODES``)."
 
 
 class Device(StrEnum):
@@ -139,7 +135,8 @@ class ModelConfig:
 class DataConfig:
     """``data.*``: the evaluation dataset.
 
-    name: digits | fashion_mnist | imagefolder | coco | coco_replay. root: dataset directory (fashion_mnist:
+    name: the dataset, one of the data names the tasks claim (docs/configuration.md's task table, drawn from
+    ``disteval.tasks.registered_tasks``). root: dataset directory (fashion_mnist:
     the idx files; imagefolder: one sub-folder per class; coco: the images). annotations: a COCO annotation
     JSON (coco, coco_replay); predictions: a COCO results JSON (coco_replay). split: which split (digits: the held-out ``test`` split).
     sampler: ``exact`` (disteval's unpadded contiguous shards; the default) or, only to reproduce other tools'
@@ -647,8 +644,8 @@ class DetectionOptions:
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.detection.*`` key."""
-        if self.iou_type not in ("bbox", "segm"):
-            raise ConfigError("eval.detection.iou_type", f"must be bbox or segm, got {self.iou_type!r}")
+        if self.iou_type not in IOU_TYPES:
+            raise ConfigError("eval.detection.iou_type", f"must be one of {' or '.join(IOU_TYPES)}, got {self.iou_type!r}")
 
 
 @dataclass
@@ -680,7 +677,7 @@ class EvalConfig:
     exclude_outlier_ranks: leave those ranks' samples out of the final metrics (opt-in; results.json states how
     many samples were left out). status_interval_s: seconds between status.json
     updates (and progress refreshes) of a rank. mode: bitwise | fast (see ``Mode``). task: ``auto`` (by
-    data.name), a registered task name (classification, detection, replay) or ``package.module:ClassName``.
+    data.name), a registered task name (docs/configuration.md's task table) or ``package.module:ClassName``.
     record_batches: each rank writes ranks/rank{r}/batches.json (per-sample output digests and per-batch float
     partials) for ``python -m diagnostics compare``. overwrite: a run directory that holds a finished run's
     results.json is refused unless true; then the old records (results, ranks/, .hydra/, logs) are moved to

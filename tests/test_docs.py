@@ -225,3 +225,22 @@ def test_adding_a_launcher_names_every_member_of_the_protocol():
     members = {n for n in dir(Launcher) if not n.startswith("_")}
     assert members - rows == set(), f"docs/extending.md lacks rows for {sorted(members - rows)}"
     assert rows - members == set(), f"rows for members that do not exist: {sorted(rows - members)}"
+
+
+def test_the_task_table_is_drawn_from_the_registry():
+    """docs/configuration.md's task table is scripts/task_table.py's output for the registered tasks: a task or
+    a data name added without ``python scripts/task_table.py --write`` fails here; the config's descriptions
+    point to it rather than list some of the names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("task_table", REPO / "scripts" / "task_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    drawn = page.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip()
+    assert drawn == table.table(), "docs/configuration.md's task table is stale: run python scripts/task_table.py --write"
+    from disteval.tasks import registered_tasks
+
+    assert all(f"| `{name}` |" in drawn for name in registered_tasks())
+    config = (REPO / "disteval" / "config.py").read_text(encoding="utf-8")
+    assert not re.search(r"digits \| fashion_mnist|classification, detection, replay", config)

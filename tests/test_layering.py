@@ -313,3 +313,17 @@ def test_metrics_reach_their_states_through_the_public_accessor():
     touching = [str(p.relative_to(REPO)) for d in ("disteval", "diagnostics", "launchers") for p in (REPO / d).rglob("*.py")
                 if private.search(p.read_text(encoding="utf-8")) and p != REPO / "disteval" / "metrics" / "base.py"]
     assert not touching, touching
+
+
+def test_closed_sets_are_spelled_once():
+    """The IoU types and the compression modes are spelled in disteval/common/closed_sets.py only: a literal tuple
+    of them anywhere else in the package is a second spelling that can drift."""
+    spellings = {"('bbox', 'segm')", "('none', 'lossless', 'fp16', 'bf16')"}
+    found = []
+    for path in sorted((REPO / "disteval").rglob("*.py")):
+        if path.name == "closed_sets.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and ast.unparse(ast.Tuple(node.elts)) in spellings:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "import it from disteval.common.closed_sets:\n" + "\n".join(found)

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MODES = ("none", "lossless", "fp16", "bf16")
+from disteval.common.closed_sets import COMPRESSION_MODES
+
+MODES = COMPRESSION_MODES
 LOSSY = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 

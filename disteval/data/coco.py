@@ -19,9 +19,9 @@ import numpy as np
 from disteval.common.coco_types import DetectionShard, GroundTruthShard, detections_from_arrays
 from disteval.data.coco_json import (UNSET, BoxDetection, GroundTruthFile, SegmDetection, decode_generic, decode_raw,
                                      decode_typed, read_bytes)
+from disteval.common.closed_sets import IOU_TYPES  # noqa: F401 - re-exported for the readers' callers
 from disteval.errors import DataError
 
-IOU_TYPES = ("bbox", "segm")
 
 
 def _int_ids(entries: list, key: str, where: str) -> np.ndarray:

@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 from pycocotools import mask as mask_utils
 
+from disteval.common.closed_sets import IOU_TYPES
+
 GT_FILE = "instances_synthetic.json"
 RESULTS_FILE = "results_synthetic.json"
 
@@ -137,8 +139,8 @@ def make_synthetic_coco(out_dir, num_images: int = 5000, num_categories: int = 8
                         iou_type: str = "bbox", image_size: tuple[int, int] = (640, 480)) -> tuple[Path, Path]:
     """Write ``instances_synthetic.json`` and ``results_synthetic.json`` into ``out_dir`` (created if needed)
     and return (gt_path, results_path). See the module docstring for what they contain."""
-    if iou_type not in ("bbox", "segm"):
-        raise ValueError(f"iou_type must be 'bbox' or 'segm', got {iou_type!r}")
+    if iou_type not in IOU_TYPES:
+        raise ValueError(f"iou_type must be one of {IOU_TYPES}, got {iou_type!r}")
     if num_images < 1 or num_categories < 1 or dets_per_image < 0 or gt_per_image < 0:
         raise ValueError("num_images and num_categories must be >= 1, gt_per_image and dets_per_image >= 0")
     if not 0 <= missing_category_count < num_categories:

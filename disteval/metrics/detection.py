@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from disteval.common.closed_sets import IOU_TYPES
 from disteval.common.coco_types import detections_from_arrays, xyxy_to_xywh
 from disteval.errors import DataError
 from disteval.metrics.base import Metric
@@ -41,8 +42,8 @@ class CocoDetectionMetric(Metric):
 
     def __init__(self, gt, iou_type: str = "bbox", keep_predictions: bool = False):
         super().__init__()
-        if iou_type not in ("bbox", "segm"):
-            raise ValueError(f"iou_type must be bbox or segm, got {iou_type!r}")
+        if iou_type not in IOU_TYPES:
+            raise ValueError(f"iou_type must be one of {IOU_TYPES}, got {iou_type!r}")
         self.gt, self.iou_type, self.keep_predictions = gt, iou_type, keep_predictions
         self.add_state("records", torch.zeros((0, RECORD_DTYPE.itemsize), dtype=torch.uint8), "gather", root=True)
         self.add_state("images", torch.zeros(0, dtype=torch.int64), "gather", root=True)

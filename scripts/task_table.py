@@ -1,0 +1,39 @@
+"""Print the table of the built-in tasks and the data names each claims (``eval.task=auto`` picks a task by
+``data.name``), drawn from the task registry (``disteval.tasks.registered_tasks``). docs/configuration.md holds
+it between its ``<!-- tasks -->`` markers, and the config's descriptions point there instead of listing names
+(tests/test_docs.py checks that the table is current): ``python scripts/task_table.py`` prints it, ``--write``
+replaces the block."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- tasks: python scripts/task_table.py --write -->", "<!-- /tasks -->"
+
+
+def table() -> str:
+    from disteval.tasks import registered_tasks
+
+    rows = ["| `eval.task` | `data.name` it claims | class |", "|---|---|---|"]
+    for name, cls in sorted(registered_tasks().items()):
+        claims = ", ".join(f"`{d}`" for d in cls.data_names) or "(named only)"
+        rows.append(f"| `{name}` | {claims} | `{cls.__module__}.{cls.__qualname__}` |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    out = table()
+    if "--write" in sys.argv[1:]:
+        doc = REPO / "docs" / "configuration.md"
+        text = doc.read_text(encoding="utf-8")
+        head, rest = text.split(BEGIN, 1)
+        doc.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1], encoding="utf-8")
+    else:
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
