@@ -8,10 +8,9 @@ wrong type fails at composition with Hydra's error naming the full key (e.g. ``K
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from datetime import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -20,9 +19,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from disteval.common.allocator import POLICIES as ALLOCATORS
-from disteval.common.closed_sets import COMPRESSION_MODES, IOU_TYPES
+from disteval.common.checks import at_least as _at_least
+from disteval.common.checks import finite_positive as _finite_positive
+from disteval.common.closed_sets import COMPRESSION_MODES
 from disteval.common.pipeline import DECODERS, PIXEL_CACHE_MODES
 from disteval.errors import ConfigError
+from disteval.options import OPTIONS
 from disteval.precision import check_metric_dtypes
 
 SAMPLERS = ("exact", "padded", "drop_last")
@@ -37,21 +39,7 @@ def _compile_backends() -> list[str]:
     return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
 
 
-def _finite_positive(key: str, value: Any, nullable: bool = False, most: float | None = None) -> None:
-    if value is None and nullable:
-        return
-    if value is None or not math.isfinite(float(value)) or float(value) <= 0:
-        raise ConfigError(key, f"must be a finite number > 0{' or null' if nullable else ''}, got {value}")
-    if most is not None and float(value) > most:
-        raise ConfigError(key, f"must be at most {most:g}, got {value}")
-
-
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: beyond it a timeout is a typo (and 1e300 overflows the backends)
-
-
-def _at_least(key: str, value: Any, low: int, nullable: bool = False) -> None:
-    if (value is None and not nullable) or (value is not None and value < low):
-        raise ConfigError(key, f"must be an integer >= {low}{' or null' if nullable else ''}, got {value}")
 
 
 class ModelDtype(StrEnum):
@@ -426,77 +414,6 @@ class DistConfig:
                               "(or start ranks yourself with torchrun)")
 
 
-EMBEDDING_PROTOCOLS = ("knn", "retrieval", "zero_shot")
-
-
-@dataclass
-class EmbeddingConfig:
-    """``eval.embedding.*`` (``eval.task=embedding``, ``disteval/tasks/embedding.py``).
-
-    protocol: ``knn`` (gallery = data.split ``gallery_split``, queries = ``query_split``; kNN classification,
-    optional mAP@R), ``retrieval`` (generated image-text pairs: recall@k image->text and text->image) or
-    ``zero_shot`` (images classified against class-name text embeddings from ``templates``).
-    layer: the module whose output is the embedding (e.g. ``classifier.3``, the shipped Fashion-MNIST CNN's
-    penultimate layer); null = the model's ``encode_image`` / ``encode_text``. normalize: L2-normalise
-    embeddings. similarity: ``ip`` (cosine when normalised) or ``l2``. knn_k, votes (weighted: DINO's
-    exp(s/T) votes with ``temperature``; majority), recall_k, map_at_r: what is reported. chunk_size: queries
-    per search round; tile_queries/tile_gallery: the fixed similarity tile (``disteval.common.topk``).
-    precision: ``float32``, or ``bfloat16``/``float16`` for a low-precision pass that picks the gallery tiles
-    that can hold a top-k item (margin from the rounding bound), re-scored in float32: the same exact top-k.
-    gallery_limit / query_limit: first N items of each split (null = all). generated_images,
-    captions_per_image, image_size: the generated pairs (``disteval.data.pairs``).
-    """
-
-    protocol: str = "knn"
-    gallery_split: str = "train"
-    query_split: str = "test"
-    gallery_limit: Optional[int] = None
-    query_limit: Optional[int] = None
-    layer: Optional[str] = None
-    normalize: bool = True
-    similarity: str = "ip"
-    knn_k: List[int] = field(default_factory=lambda: [10, 20, 100, 200])
-    votes: List[str] = field(default_factory=lambda: ["weighted", "majority"])
-    temperature: float = 0.07
-    recall_k: List[int] = field(default_factory=lambda: [1, 5, 10])
-    map_at_r: bool = False
-    chunk_size: int = 1000
-    tile_queries: int = 128
-    tile_gallery: int = 1024
-    precision: str = "float32"
-    templates: List[str] = field(default_factory=lambda: ["a photo of a {}.", "a {} object."])
-    generated_images: int = 512
-    captions_per_image: int = 3
-    image_size: int = 32
-
-    def validate(self) -> None:
-        """Raises ConfigError naming the ``eval.embedding.*`` key."""
-        if self.protocol not in EMBEDDING_PROTOCOLS:
-            raise ConfigError("eval.embedding.protocol", f"{self.protocol!r} is not one of {list(EMBEDDING_PROTOCOLS)}")
-        if self.similarity not in ("ip", "l2"):
-            raise ConfigError("eval.embedding.similarity", f"must be ip or l2, got {self.similarity!r}")
-        if self.precision not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("eval.embedding.precision", f"must be float32, bfloat16 or float16, got {self.precision!r}")
-        if self.precision != "float32" and self.similarity != "ip":
-            raise ConfigError("eval.embedding.precision", "the low-precision candidate pass needs similarity=ip")
-        bad = [v for v in self.votes if v not in ("weighted", "majority")]
-        if bad or not self.votes:
-            raise ConfigError("eval.embedding.votes", f"needs some of ['weighted', 'majority'], got {list(self.votes)}")
-        for key, ks in (("knn_k", self.knn_k), ("recall_k", self.recall_k)):
-            if any(k < 1 for k in ks) or (key == "knn_k" and not ks):
-                raise ConfigError(f"eval.embedding.{key}", f"needs positive integers, got {list(ks)}")
-        _finite_positive("eval.embedding.temperature", self.temperature)
-        for key in ("chunk_size", "tile_queries", "tile_gallery", "generated_images", "image_size"):
-            _at_least(f"eval.embedding.{key}", getattr(self, key), 1)
-        for key in ("gallery_limit", "query_limit"):
-            _at_least(f"eval.embedding.{key}", getattr(self, key), 1, nullable=True)
-        if not 1 <= self.captions_per_image <= 5:
-            raise ConfigError("eval.embedding.captions_per_image", f"must be in 1..5, got {self.captions_per_image}")
-        if not self.templates or any("{}" not in t for t in self.templates):
-            raise ConfigError("eval.embedding.templates", f"each template needs a '{{}}' for the class name, got "
-                              f"{list(self.templates)}")
-
-
 @dataclass
 class CIConfig:
     """``eval.ci.*``: bootstrap confidence intervals of top-k accuracy and NLL over the samples
@@ -619,55 +536,11 @@ def moved_key(override: str) -> str | None:
 
 
 @dataclass
-class ClassificationOptions:
-    """``eval.classification.*`` (the classification task, ``disteval/tasks/classification.py``; also the
-    classification metrics of an embedding run and the bootstrap's columns): ``topk``, the k of top-k accuracy
-    (each in [1, C]; the task checks C); ``ece_bins``, the equal-width confidence bins of the expected calibration
-    error (Guo et al. 2017)."""
-
-    topk: List[int] = field(default_factory=lambda: [1, 5])
-    ece_bins: int = 15
-
-    def validate(self) -> None:
-        """Raises ConfigError naming the ``eval.classification.*`` key."""
-        if not self.topk or any(k < 1 for k in self.topk):
-            raise ConfigError("eval.classification.topk", f"needs positive integers, got {list(self.topk)}")
-        _at_least("eval.classification.ece_bins", self.ece_bins, 1)
-
-
-@dataclass
-class DetectionOptions:
-    """``eval.detection.*`` (the detection and replay tasks, ``disteval/tasks/detection.py``): ``iou_type``,
-    ``bbox`` or ``segm`` (pycocotools' iouType; live models: bbox)."""
-
-    iou_type: str = "bbox"
-
-    def validate(self) -> None:
-        """Raises ConfigError naming the ``eval.detection.*`` key."""
-        if self.iou_type not in IOU_TYPES:
-            raise ConfigError("eval.detection.iou_type", f"must be one of {' or '.join(IOU_TYPES)}, got {self.iou_type!r}")
-
-
-@dataclass
-class SegmentationOptions:
-    """``eval.segmentation.*`` (semantic segmentation, ``disteval/tasks/segmentation.py``): ``ignore_index``, the
-    label value left out of every count (default 255, VOC's boundary; null: none)."""
-
-    ignore_index: Optional[int] = 255
-
-    def validate(self) -> None:
-        """Raises ConfigError naming the ``eval.segmentation.*`` key."""
-        if self.ignore_index is not None and self.ignore_index < 0:
-            raise ConfigError("eval.segmentation.ignore_index",
-                              f"must be a label value >= 0 or null, got {self.ignore_index}")
-
-
-@dataclass
-class EvalConfig:
+class EvalBase:
     """``eval.*``: metric families (classification, ranking; coco for detection data) and how the run goes;
-    each task's own options are in a node of their own: ``classification`` (``ClassificationOptions``),
-    ``detection`` (``DetectionOptions``), ``segmentation`` (``SegmentationOptions``), ``embedding``
-    (``EmbeddingConfig``), each validated by its ``validate``. save_predictions: each rank writes its samples'
+    each task's own options are in a node of their own, ``eval.<task>``, registered by the task's module in
+    ``disteval.options`` (``EvalConfig`` is this class with one field per registered options class), each validated
+    by its ``validate``. save_predictions: each rank writes its samples'
     predictions as Parquet
     (RUN_DIR/predictions/, see ``PredictionsConfig``); detection also as a COCO results file
     RUN_DIR/ranks/rank{r}/predictions.json. trials: evaluate the dataset this many times; when the
@@ -706,17 +579,13 @@ class EvalConfig:
     compile: bool = False
     compile_mode: str = "default"
     compile_backend: str = "inductor"
-    classification: ClassificationOptions = field(default_factory=ClassificationOptions)
-    detection: DetectionOptions = field(default_factory=DetectionOptions)
-    segmentation: SegmentationOptions = field(default_factory=SegmentationOptions)
-    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
     ci: CIConfig = field(default_factory=CIConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
-        for options in (self.classification, self.detection, self.segmentation, self.embedding, self.ci):
-            options.validate()
+        for name in (*sorted(OPTIONS), "ci"):
+            getattr(self, name).validate()
         _at_least("eval.predictions.topk", self.predictions.topk, 1)
         _at_least("eval.trials", self.trials, 1)
         if self.trial_aggregate not in AGGREGATES:
@@ -731,6 +600,21 @@ class EvalConfig:
                               f"known: {_compile_backends()}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError("eval.compile_mode", f"{self.compile_mode!r} is not one of {list(COMPILE_MODES)}")
+
+
+def _eval_config() -> type:
+    """``EvalBase`` with a node per registered task options class (``disteval.options.OPTIONS``), as a dataclass
+    that OmegaConf and pickle see as ``disteval.config.EvalConfig``."""
+    clash = sorted(set(OPTIONS) & {f.name for f in fields(EvalBase)})
+    if clash:
+        raise ValueError(f"task options {clash} clash with eval.* keys of their own")
+    cls = make_dataclass("EvalConfig", [(name, OPTIONS[name], field(default_factory=OPTIONS[name]))
+                                        for name in sorted(OPTIONS)], bases=(EvalBase,))
+    cls.__module__, cls.__doc__ = __name__, EvalBase.__doc__
+    return cls
+
+
+EvalConfig = _eval_config()
 
 
 @dataclass

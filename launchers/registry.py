@@ -33,11 +33,12 @@ def launcher_for(choice: str | None) -> Launcher:
     return LAUNCHERS.get(str(choice or "basic"), LocalLauncher)()
 
 
-def launcher_of_job(job: dict, choice: str | None) -> Launcher:
+def launcher_of_job(record: dict, choice: str | None) -> Launcher:
     """The launcher that wrote a job record (RUN_DIR/job.json): its ``launcher`` field, else the run's Hydra
     choice when that is a scheduling launcher, else the SLURM launcher (the only one that wrote job.json before
     the field existed)."""
-    named = job.get("launcher") if isinstance(job.get("launcher"), str) else None
+    named = record.get("launcher")
+    named = named if isinstance(named, str) else None
     if named in LAUNCHERS:
         return launcher_for(named)
     by_choice = launcher_for(choice)

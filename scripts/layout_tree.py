@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # lowest first; the domain folders, then the three folders of a run's processes
-FOLDERS = ["common", "metrics", "data", "comm", "models", "tasks", "job", "rank", "driver"]
+FOLDERS = ["common", "options", "metrics", "data", "comm", "models", "tasks", "job", "rank", "driver"]
 BEGIN, END = "<!-- tree: python scripts/layout_tree.py --write -->", "<!-- /tree -->"
 
 

@@ -244,3 +244,14 @@ def test_the_task_table_is_drawn_from_the_registry():
     assert all(f"| `{name}` |" in drawn for name in registered_tasks())
     config = (REPO / "disteval" / "config.py").read_text(encoding="utf-8")
     assert not re.search(r"digits \| fashion_mnist|classification, detection, replay", config)
+
+
+def test_adding_a_task_names_every_member_of_the_task_base_class():
+    """docs/extending.md is tied to disteval.tasks.Task: every public method and attribute of the base class is
+    described (as `name(` or `name`) in its "Adding a task" part, so a hook added to Task without its page fails."""
+    from disteval.tasks.base import Task
+
+    text = (REPO / "docs" / "extending.md").read_text(encoding="utf-8").split("## Adding a launcher", 1)[0]
+    members = sorted(n for n in dir(Task) if not n.startswith("_"))
+    missing = [n for n in members if f"`{n}(" not in text and f"`{n}`" not in text]
+    assert not missing, f"docs/extending.md does not describe Task's {missing}"

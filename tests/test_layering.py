@@ -15,6 +15,7 @@ PACKAGES = ("disteval", "launchers", "hydra_plugins", "diagnostics")
 # (FOLDERS below); their finer layers order the modules inside a folder.
 LAYERS = [
     ("disteval.common", "leaf"), ("disteval.errors", "leaf"), ("disteval.testing", "leaf"),
+    ("disteval.options", "leaf"),  # each task's options dataclass (eval.<task>), read by the schema
     ("disteval.metrics", "metrics"), ("disteval.data", "data"), ("disteval.comm", "comm"),
     ("disteval.models", "models"), ("disteval.tasks", "tasks"),
     ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.config", "support"),
