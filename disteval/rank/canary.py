@@ -65,7 +65,7 @@ def digest(tensors: list[torch.Tensor]) -> bytes:
 def drift(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
     """How ``other``'s probe outputs differ from ``reference``'s: ``max_abs_diff``, ``max_rel_diff`` (relative to
     |reference|, float64), ``argmax_flips`` (rows of the 2-D and higher float outputs whose arg-max over the last
-    dimension differs: a changed top-1), ``order_changes`` (1-D float outputs, e.g. detection scores, whose
+    dimension differs: a changed top-1), ``order_changes`` (1-D float outputs, e.g. a detector's scores, whose
     descending order differs). ``comparable`` False (and no numbers) when the shapes differ."""
     if [t.shape for t in reference] != [t.shape for t in other]:
         return {"comparable": False, "shapes": [[list(t.shape) for t in reference], [list(t.shape) for t in other]]}
