@@ -331,7 +331,7 @@ def init_scheduler(run: Run, probes: dict | None) -> Finding:
         return _scheduler_finding(run, note, ev)
     if not any(s and s.get("error") for s in run.statuses.values()):
         return _job_own_error(run, state, ev, launcher)
-    return Finding("INIT", "scheduler", "pass", f"{launcher.scheduler or 'the scheduler'}'s job {job.get('job_id')} "
+    return Finding("INIT", "scheduler", "pass", f"{launcher.scheduler or launcher.name} job {job.get('job_id')} "
                    f"state {state} (rank errors below)", ev)
 
 

@@ -12,11 +12,17 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- tasks: python scripts/task_table.py --write -->", "<!-- /tasks -->"
 
 
-def table() -> str:
+def builtin_tasks() -> dict:
+    """The registered tasks that ship with disteval (a test or a user's package may register more)."""
     from disteval.tasks import registered_tasks
 
+    return {name: cls for name, cls in registered_tasks().items() if cls.__module__.startswith("disteval.tasks.")}
+
+
+def table() -> str:
+
     rows = ["| `eval.task` | `data.name` it claims | class |", "|---|---|---|"]
-    for name, cls in sorted(registered_tasks().items()):
+    for name, cls in sorted(builtin_tasks().items()):
         claims = ", ".join(f"`{d}`" for d in cls.data_names) or "(named only)"
         rows.append(f"| `{name}` | {claims} | `{cls.__module__}.{cls.__qualname__}` |")
     return "\n".join(rows)

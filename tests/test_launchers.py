@@ -73,21 +73,27 @@ def test_the_choice_picks_the_launcher():
         launcher_for("submitit_slurm").world_shape(6, 4, None)
 
 
-def test_the_submitit_launcher_exports_the_rank_environment_from_slurm_s(monkeypatch):
+def test_the_submitit_launcher_exports_the_rank_environment_from_slurm_s():
     """Inside a task (SLURM's variables as srun sets them), export_rank_env gives torch's env:// variables and
-    the protocol's: the job id, the node index and submitit's checkpoint signal."""
-    for key in [k for k in __import__("os").environ if k.startswith(("SLURM_", "DISTEVAL_", "SUBMITIT_"))]:
-        monkeypatch.delenv(key)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in {**SLURM_TASK_ENV, "SUBMITIT_PREEMPT_SIGNAL": "USR1"}.items():
-        monkeypatch.setenv(key, value)
-    launcher_for("submitit_slurm").export_rank_env()
+    the protocol's: the job id, the node index and submitit's checkpoint signal. The environment is restored
+    whole afterwards (export_rank_env writes os.environ directly: a RANK left behind would make every later run
+    of this test worker join a rendezvous that does not exist)."""
     import os
 
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
-    assert (launch_env.job_id(), launch_env.node_rank(), launch_env.preemption_requeues()) == ("77", 1, True)
-    assert launch_env.preempt_signal() == signal.SIGUSR1
+    saved = dict(os.environ)
+    try:
+        for key in [k for k in os.environ if k.startswith(("SLURM_", "DISTEVAL_", "SUBMITIT_"))] + [
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"]:
+            os.environ.pop(key, None)
+        os.environ.update({**SLURM_TASK_ENV, "SUBMITIT_PREEMPT_SIGNAL": "USR1"})
+        launcher_for("submitit_slurm").export_rank_env()
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+        assert (launch_env.job_id(), launch_env.node_rank(), launch_env.preemption_requeues()) == ("77", 1, True)
+        assert launch_env.preempt_signal() == signal.SIGUSR1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert "RANK" not in os.environ or os.environ.get("RANK") == saved.get("RANK")
 
 
 def test_the_rank_environment_without_a_scheduler(monkeypatch):
