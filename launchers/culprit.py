@@ -89,9 +89,10 @@ def culprit_from_records(records: dict[int, dict | None], deaths: dict[int, str]
         first = sorted(errors)[0][2]["error"]
         if _PEER_CLOSED.search(str(first.get("message"))):
             # a peer's connection was closed: a process died (a timeout is what a late rank causes); of the ranks
-            # without an error, the one whose heartbeat ended first died first (its node-mates beat on until
-            # their launcher stopped them)
-            stalled.sort(key=lambda r: (float(records[r].get("t_heartbeat") or 0.0), r))
+            # without an error, the one whose last sign of life (heartbeat or progress, whichever came later)
+            # ended first died first: its node-mates lived on until their launcher stopped them. (Heartbeats alone,
+            # one a second, order two deaths a few milliseconds apart by chance.)
+            stalled.sort(key=lambda r: (_last_sign(records[r]), r))
         r = stalled[0]
         s = records[r]
         if late_not_stalled(s, first) and not _PEER_CLOSED.search(str(first.get("message"))):

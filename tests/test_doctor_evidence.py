@@ -512,3 +512,28 @@ def test_a_live_rank_late_to_the_synchronisation_is_the_culprit_with_the_timeout
     assert "communication.sync_timeout_s = 5 s" in late.message and "rank 1 gave up" in late.message
     stopped = culprit_from_records(records(90.0))
     assert stopped.rank == 0 and "heartbeat stopped first" in stopped.message, stopped.message
+
+
+def test_of_two_silent_node_mates_the_one_that_died_first_is_named():
+    """The records of a CI run of test_netlab's kill@3 (shared run directory): rank 3 was SIGKILLed, its node-mate
+    rank 2 was stopped by their launcher a few milliseconds later; neither recorded an error, rank 1 read the closed
+    connection. Rank 2's last heartbeat (one a second) happened to come 18 ms before rank 3's, but it made progress
+    after rank 3's last sign of life: rank 3 is named (the heartbeat alone named rank 2)."""
+    from launchers.culprit import culprit_from_records
+
+    def rank(r, beat, progress, error=None):
+        return {"rank": r, "phase": "failed" if error else "forward", "t_heartbeat": beat, "t_progress": progress,
+                "t_update": progress, "heartbeat_s": 1.0, "samples_done": 0, "samples_planned": 128,
+                "batches_done": 0, "error": error, "in_collective": None}
+
+    closed = {"type": "RuntimeError", "time": 1796657749.6947095, "message": "[/__w/pytorch/pytorch/third_party/gloo/"
+              "gloo/transport/tcp/pair.cc:545] Read error [198.18.0.2]:62142: Connection reset by peer"}
+    records = {0: rank(0, 1796657749.086827, 1796657749.6717238,
+                       {"type": "PeerFailedError", "time": 1796657749.706072, "message": "rank 1 failed before the "
+                        "synchronisation: RuntimeError: " + closed["message"]}),
+               1: rank(1, 1796657749.1794531, 1796657749.6293755, closed),
+               2: rank(2, 1796657748.803749, 1796657749.5647593),
+               3: rank(3, 1796657748.821614, 1796657749.5481563)}
+    assert culprit_from_records(records).rank == 3
+    records[2]["t_progress"] = records[2]["t_update"] = 1796657749.50  # had rank 2 fallen silent first
+    assert culprit_from_records(records).rank == 2
