@@ -19,7 +19,7 @@ A launcher answers, for one run:
 
 Implementations: ``launchers.local.LocalLauncher`` (local rank processes, one node or a torchrun-style
 multi-node rendezvous), ``launchers.external.ExternalLauncher`` (this process is one rank of torchrun, srun or a
-scheduler's task) and ``launchers.submitit.SubmititLauncher``; ``launchers.registry.launcher_for`` picks one
+scheduler's task) and ``launchers.scheduled.SubmititLauncher``; ``launchers.registry.launcher_for`` picks one
 from the Hydra launcher choice. docs/extending.md shows how to add one.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar
 @dataclass(frozen=True)
 class ProbeRequest:
     """The doctor's probe ranks for one run: ``entry(container, out_dir, payload_bytes)`` on each of ``world_size``
-    ranks; ``launcher_options``: the run's ``hydra.launcher`` settings (plain values); ``master_addr``: where local
-    ranks meet."""
+    ranks; ``launcher_options``: the run's ``hydra.launcher`` settings (plain values; local ranks meet at the
+    container's ``dist.master_addr``)."""
     entry: Callable[[dict, str, int], None]
     container: dict
     out_dir: Path

@@ -28,6 +28,7 @@ class SubmititLauncher(ExternalLauncher):
     def __init__(self, cluster: str):
         self.cluster = cluster
         self.name = f"submitit_{cluster}"
+        self.hydra_choices = (self.name,)
         self.scheduler = "SLURM" if cluster == "slurm" else "submitit's local executor"
 
     def run_job(self, task_function: Callable[..., Any]) -> int:
