@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import generated_block  # scripts/, beside this file
+
 REPO = Path(__file__).resolve().parent.parent
 # lowest first; the domain folders, then the three folders of a run's processes
 FOLDERS = ["common", "options", "metrics", "data", "comm", "models", "tasks", "job", "rank", "driver"]
@@ -39,17 +41,5 @@ def tree() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    out = tree()
-    if "--write" in sys.argv[1:]:
-        doc = REPO / "docs" / "layout.md"
-        text = doc.read_text(encoding="utf-8")
-        head, rest = text.split(BEGIN, 1)
-        doc.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1], encoding="utf-8")
-    else:
-        print(out)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generated_block.main(REPO / "docs" / "layout.md", BEGIN, END, tree))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import generated_block  # scripts/, beside this file
+
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- tasks: python scripts/task_table.py --write -->", "<!-- /tasks -->"
 
@@ -28,18 +30,6 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
-    out = table()
-    if "--write" in sys.argv[1:]:
-        doc = REPO / "docs" / "configuration.md"
-        text = doc.read_text(encoding="utf-8")
-        head, rest = text.split(BEGIN, 1)
-        doc.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1], encoding="utf-8")
-    else:
-        print(out)
-    return 0
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    sys.exit(main())
+    sys.exit(generated_block.main(REPO / "docs" / "configuration.md", BEGIN, END, table))

@@ -200,16 +200,22 @@ def test_the_checkers_catch_a_broken_readme(tmp_path):
     assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
 
 
+def _drawing_script(name: str):
+    """A script of scripts/ that draws a docs block from the code, and scripts/generated_block.py (which it imports
+    as a sibling, as it does when run as ``python scripts/NAME.py``)."""
+    import importlib
+    import sys
+
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    return importlib.import_module(name), importlib.import_module("generated_block")
+
+
 def test_the_layout_page_s_tree_is_drawn_from_the_packages():
     """docs/layout.md's tree is scripts/layout_tree.py's output for the code as it is: a module added, moved or
     redescribed without ``python scripts/layout_tree.py --write`` fails here."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("layout_tree", REPO / "scripts" / "layout_tree.py")
-    tree = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tree)
-    page = (REPO / "docs" / "layout.md").read_text(encoding="utf-8")
-    drawn = page.split(tree.BEGIN, 1)[1].split(tree.END, 1)[0].strip()
+    tree, blocks = _drawing_script("layout_tree")
+    drawn = blocks.block(REPO / "docs" / "layout.md", tree.BEGIN, tree.END)
     assert drawn == tree.tree(), "docs/layout.md's tree is stale: run python scripts/layout_tree.py --write"
     for name in ("engine.py", "records.py", "cli.py"):  # the drawing is of the real tree
         assert f"    {name}" in drawn
@@ -231,13 +237,8 @@ def test_the_task_table_is_drawn_from_the_registry():
     """docs/configuration.md's task table is scripts/task_table.py's output for the registered tasks: a task or
     a data name added without ``python scripts/task_table.py --write`` fails here; the config's descriptions
     point to it rather than list some of the names."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("task_table", REPO / "scripts" / "task_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
-    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    drawn = page.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip()
+    table, blocks = _drawing_script("task_table")
+    drawn = blocks.block(REPO / "docs" / "configuration.md", table.BEGIN, table.END)
     assert drawn == table.table(), "docs/configuration.md's task table is stale: run python scripts/task_table.py --write"
     assert all(f"| `{name}` |" in drawn for name in table.builtin_tasks())
     assert {"classification", "detection", "segmentation", "embedding"} <= set(table.builtin_tasks())

@@ -72,9 +72,10 @@ def run(cfg: DictConfig) -> int:
 
     hc = HydraConfig.get()
     launcher = str(hc.runtime.choices.get("hydra/launcher") or "")
-    if launcher_for(launcher).hands_over_run_mode and hc.mode == RunMode.RUN:
+    chosen = launcher_for(launcher)
+    if chosen.hands_over_run_mode and hc.mode == RunMode.RUN:
         # without -m: the one job goes to the launcher (a scheduler's: a one-job sweep in the run directory)
-        return launcher_for(launcher).run_job(_hydra_main.__wrapped__)
+        return chosen.run_job(_hydra_main.__wrapped__)
     run_dir = hc.runtime.output_dir
     external = external_launch_detected()
     if external_rank() in (None, 0) and leads_nodes(cfg):  # one run per run directory (disteval.job.rundir)
