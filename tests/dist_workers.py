@@ -18,7 +18,7 @@ from disteval.comm import Communicator, RankEnv, destroy_process_group, init_pro
 from disteval.data import IndexedDataset
 from disteval.rank.loop import ShardSpec, evaluate_shard
 from disteval.metrics.evaluator import Evaluator
-from disteval.rank.sync import SyncPolicy, synchronise
+from disteval.rank.sync import SyncPolicy, synchronise, synchronised
 from disteval.metrics import (ClassificationMetrics, MetricCollection, RankingMetrics,
                               check_coverage)
 from disteval.job.records import StatusWriter
@@ -75,7 +75,7 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
             outcome = evaluate_shard(model, dataset, ev, ShardSpec(env.rank, env.world_size, batch_size))
             other = copy.deepcopy(ev)
             before = comm.collectives
-            runs, rows = astuple(synchronise(ev, comm, {"rank": env.rank, "samples": outcome.samples}))
+            runs, rows, _ = astuple(synchronise(ev, comm, {"rank": env.rank, "samples": outcome.samples}))
             # the same states through the other policies: confusion reduce-scattered and finished per slice,
             # gathers losslessly compressed, everything above 64 bytes in async chunks of 48 bytes
             before_alt = chunked.by_op.copy()
@@ -86,12 +86,25 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
             ml = RankingMetrics(NUM_CLASSES, multilabel=True)
             ml_ev = Evaluator(ml)
             evaluate_shard(model, ml_data, ml_ev, ShardSpec(env.rank, env.world_size, batch_size))
-            synchronise(ml_ev, comm, {})
+            local = ml.snapshot()
+            with synchronised(ml_ev, comm, {}) as synced:  # global inside the block, local again after it
+                ml_global = ml.compute()
+            ml_local = ml.compute()
+            restored = synced.restore and all(torch.equal(v, local[k]) for k, v in ml.snapshot().items())
+            try:
+                with synchronised(ml_ev, comm, {}):
+                    raise KeyError("inside")  # an error in the block restores the local states too
+            except KeyError:
+                restored = restored and all(torch.equal(v, local[k]) for k, v in ml.snapshot().items())
+            with synchronised(ml_ev, comm, {}, restore=False) as synced:  # stays global
+                pass
+            kept = not synced.restore and ml.compute() == ml_global
             if env.rank == 0:
                 rep = check_coverage(runs, n)
                 out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
                        "batches": outcome.batches, "rank_samples": [int(r["samples"]) for r in rows],
-                       "metrics_alt": other.metric.compute(), "multilabel": ml.compute(), "alt_ops": dict(chunked.by_op - before_alt),
+                       "metrics_alt": other.metric.compute(), "multilabel": ml_global, "ml_local": ml_local, "restored": restored, "kept": kept,
+                       "alt_ops": dict(chunked.by_op - before_alt),
                        "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
 

@@ -34,6 +34,15 @@ def test_metrics_equal_single_process_reference(world_size, tmp_path):
             assert (got is None) == (want is None), key
             if want is not None:
                 assert abs(got - want) <= 1e-12 * abs(want), (key, got, want)
+        # ``synchronised`` blocks: the local states come back after the block (also after an error in it); with
+        # restore=False the global states stay; rank 0's local metrics are those of its own shard
+        assert out["restored"] and out["kept"]
+        shard = slice(0, out["rank_samples"][0])
+        for key, want in reference_multilabel(logits[shard], multilabel_targets(n, seed=n)[shard]).items():
+            got = out["ml_local"][key]
+            assert (got is None) == (want is None), key
+            if want is not None:
+                assert abs(got - want) <= 1e-12 * abs(want), (key, got, want)
         # reduce_scatter + per-slice finish, lossless gathers, async chunks: the very same values; the confusion
         # matrix (for the HTML report) is left out when it was reduce-scattered (no rank holds it whole)
         assert "confusion" in out["metrics"] and "confusion" not in out["metrics_alt"]

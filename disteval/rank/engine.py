@@ -46,7 +46,7 @@ from disteval.rank.predictions import store_hook
 from disteval.job.records import (atomic_write_json, config_digest, rank_dir, relay_records,
                               write_results)
 from disteval.rank.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
-from disteval.rank.sync import SyncPolicy, check_tp_peers, in_collective, synchronise
+from disteval.rank.sync import SyncPolicy, check_tp_peers, in_collective, synchronised
 from disteval.tasks import resolve_task
 from disteval.rank.watchdog import Watchdog, parent_to_watch, record_driver_death
 
@@ -266,28 +266,26 @@ class RankRun:
                         mode=ctx.compute["mode"])
             atomic_write_json(rank_dir(ctx.run_dir, ctx.rank) / "batches.json", log_)
         exclude = bool(cfg.eval.exclude_outlier_ranks)
-        local = ev.state_dict() if exclude else None
         if self.mesh is not None:
             with in_collective(ctx.status, "tp_check"):
                 self.mesh.tp_check = check_tp_peers(ev, self.mesh.tp_comm, self.mesh.groups.tp_peers)
-        ctx.status.update(in_collective={"op": "synchronise", "since": time.time()}, force=True)
-        synced = synchronise(ev, comm, row, self.policy)
-        key = self.task.rank_metric  # the task's per-rank result; None: outliers are not looked for
-        outliers = rank_outliers([r["local"].get(key) if key else None for r in synced.rows],
-                                 [r["samples"] for r in synced.rows], float(cfg.eval.outlier_z))
-        # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
-        # several trials the first trial's decision holds for all, so that every trial covers the same samples
-        drop = outliers["excludable"] if not self.outcomes else self.outcomes[0]["excluded"]
+        with synchronised(ev, comm, row, self.policy, status=ctx.status, restore=exclude) as synced:
+            key = self.task.rank_metric  # the task's per-rank result; None: outliers are not looked for
+            outliers = rank_outliers([r["local"].get(key) if key else None for r in synced.rows],
+                                     [r["samples"] for r in synced.rows], float(cfg.eval.outlier_z))
+            # every rank holds the same gathered rows, so every rank takes the same decision (no collective); with
+            # several trials the first trial's decision holds for all, so that every trial covers the same samples
+            drop = outliers["excludable"] if not self.outcomes else self.outcomes[0]["excluded"]
+            synced.restore = bool(exclude and drop)  # the local states again, for a synchronisation without drop
+            every_rank = ev.metric.compute() if synced.restore and ctx.rank == 0 else None
         final, kept_runs = ev, None
         if exclude and drop:
-            final = self.evaluator()
-            if ctx.rank not in drop:
-                final.load_state_dict(local)
-            kept_runs = synchronise(final, comm, row, self.policy).runs
+            final = ev if ctx.rank not in drop else self.evaluator()  # an excluded rank contributes nothing
+            with synchronised(final, comm, row, self.policy, status=ctx.status, restore=False) as kept:
+                kept_runs = kept.runs
         out = {"rows": synced.rows, "outliers": outliers, "exclusion": None, "excluded": list(drop) if exclude else [],
                "batches": progress.batches, "seconds_forward": progress.seconds_forward,
                "seconds_sync": time.perf_counter() - t_sync, "metrics": None, "coverage": None}
-        ctx.status.update(in_collective=None)
         if ctx.rank == 0:
             cov = check_coverage(synced.runs, len(self.dataset))
             if self.plan.sampler == "exact":
@@ -298,7 +296,7 @@ class RankRun:
             if not self.outcomes:
                 self.intervals.keep(final.metric)  # its intervals come after results.json (add_intervals)
             if kept_runs is not None:
-                out["exclusion"] = exclusion_record(self, drop, kept_runs, synced.rows, ev.metric.compute())
+                out["exclusion"] = exclusion_record(self, drop, kept_runs, synced.rows, every_rank)
         return out
 
 

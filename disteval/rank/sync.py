@@ -38,14 +38,14 @@ RESERVED = "payload_sizes"
 @contextlib.contextmanager
 def in_collective(status: Any, op: str) -> Iterator[None]:
     """The block is a collective phase of this rank: its status record says ``in_collective {op, since}`` (written
-    at once) while the block runs, and nothing once it ends, also when it raises. The watchdog blames the peers
-    that never arrive and the doctor names the phase from it. ``status``: the rank's status writer (anything with
-    ``update(**fields, force=bool)``); ``op``: e.g. ``synchronise``, ``canary``, ``bootstrap_gather``."""
+    at once) while the block runs, and nothing once it ends normally. When the block raises (a peer's timeout, a
+    closed connection) the record stays: it is the failing rank's evidence of the phase it died in. The watchdog
+    blames the peers that never arrive and the doctor names the phase from it. ``status``: the rank's status
+    writer (anything with ``update(**fields, force=bool)``); ``op``: e.g. ``synchronise``, ``canary``,
+    ``bootstrap_gather``."""
     status.update(in_collective={"op": op, "since": time.time()}, force=True)
-    try:
-        yield
-    finally:
-        status.update(in_collective=None)
+    yield
+    status.update(in_collective=None)
 
 
 @dataclass
@@ -72,10 +72,12 @@ class SyncPolicy:
 @dataclass
 class SyncResult:
     """What every rank learns at synchronisation: ``runs`` int64 [k, 2] (all ranks' sample-id runs) and
-    ``rows`` (each rank's row of named fields, in rank order)."""
+    ``rows`` (each rank's row of named fields, in rank order). ``restore``: in a ``synchronised`` block, whether
+    the local states come back when the block ends (the block may change it once it knows)."""
 
     runs: torch.Tensor
     rows: list[dict]
+    restore: bool = False
 
 
 def _pack(row: dict, runs: torch.Tensor, nodes: list, width: int) -> torch.Tensor:
@@ -137,6 +139,31 @@ def synchronise(state: Evaluator, comm: Communicator, row: dict, policy: SyncPol
     if bitwise and state.float_names:
         state.load_float_total(BatchTreeSum.combine([n for _, _, ns in unpacked for n in ns], width))
     return SyncResult(torch.cat([r for _, r, _ in unpacked]), [row for row, _, _ in unpacked])
+
+
+@contextlib.contextmanager
+def synchronised(state: Evaluator, comm: Communicator, row: dict, policy: SyncPolicy | None = None, *,
+                 status: Any = None, restore: bool = True) -> Iterator[SyncResult]:
+    """``synchronise`` for the length of a block (the shape of torchmetrics' ``Metric.sync_context``): inside
+    it, ``state.metric`` holds the global states (and the collectives ran as the collective phase
+    ``synchronise`` of ``status``, when given); when the block ends, also by an exception, the rank's local
+    states come back if ``restore`` (torchmetrics' ``should_unsync``) so that the same evaluator can be
+    synchronised again over other ranks (outlier exclusion). The block may set ``result.restore`` once it knows
+    whether it needs the local states again. Coverage and the float tree are never changed by a
+    synchronisation, so only the metric's states are kept (one ``Metric.snapshot``, taken only when
+    ``restore``). Raises what ``synchronise`` raises; nothing is restored then (the states were not replaced
+    or the run is failing)."""
+    local = state.metric.snapshot() if restore else None
+    with in_collective(status, "synchronise") if status is not None else contextlib.nullcontext():
+        result = synchronise(state, comm, row, policy)
+    result.restore = restore
+    try:
+        yield result
+    finally:
+        if result.restore:
+            if local is None:
+                raise ValueError("synchronised(restore=False) took no snapshot: the block cannot ask to restore")
+            state.metric.restore(local)
 
 
 def _finish_sliced(metric: Metric, comm: Communicator, sums: dict, sliced: list[str]) -> None:
