@@ -103,8 +103,8 @@ def exactness_worker(out_dir: str, cases: list[tuple[int, int]]) -> None:
                 rep = check_coverage(runs, n)
                 out = {"metrics": metric.compute(), "coverage_ok": rep.ok, "collectives": comm.collectives - before,
                        "batches": outcome.batches, "rank_samples": [int(r["samples"]) for r in rows],
-                       "metrics_alt": other.metric.compute(), "multilabel": ml_global, "ml_local": ml_local, "restored": restored, "kept": kept,
-                       "alt_ops": dict(chunked.by_op - before_alt),
+                       "metrics_alt": other.metric.compute(), "multilabel": ml_global, "ml_local": ml_local,
+                       "restored": restored, "kept": kept, "alt_ops": dict(chunked.by_op - before_alt),
                        "alt_wire": {k: v["wire"] for k, v in chunked.compression.items()}}
                 Path(out_dir, f"case_{n}_{batch_size}.json").write_text(json.dumps(out))
 
