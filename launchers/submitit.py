@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -388,8 +389,8 @@ def export_rank_env() -> None:
     protocol's DISTEVAL_JOB_ID, DISTEVAL_NODE_RANK and DISTEVAL_PREEMPT_SIGNAL."""
     import submitit
 
-    env = submitit.helpers.TorchDistributedEnvironment()
-    env.export(set_cuda_visible_devices=False)
+    env = submitit.helpers.TorchDistributedEnvironment()  # MASTER_PORT from the job script (free_port_line)
+    env.export(set_cuda_visible_devices=False, overwrite=True)  # the job's values over what the driver had
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
     # the rank side of the launcher protocol (disteval.common.launch_env): SLURM's job id and node index, and
     # the signal after which submitit requeues the job (its checkpoint signal)
@@ -404,16 +405,25 @@ def preempt_signal_name() -> str:
     return os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or launch_env.DEFAULT_PREEMPT_SIGNAL
 
 
+def free_port_line() -> str:
+    """The job script's first line: ``export MASTER_PORT`` to a port the kernel reports free on the job's first
+    node (where the batch script runs and rank 0 listens), unless the user's environment sets one.
+    submitit's own choice (a port drawn from the job id, 20000-60000) may be held by another program, and
+    then rank 0 fails to listen while the other ranks wait for it until ``communication.timeout_s``."""
+    probe = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+    return f'export MASTER_PORT="${{MASTER_PORT:-$({shlex.quote(sys.executable)} -c {shlex.quote(probe)})}}"'
+
+
 def make_executor(cluster: str, params: dict, nodes: int, tasks_per_node: int, setup: list[str] | None = None):
     """A submitit AutoExecutor for ``cluster`` (slurm | local) from the launcher's options (``params``, as in
     conf/hydra/launcher/submitit_*.yaml; ``submitit_folder`` required), with ``nodes`` x ``tasks_per_node``
     tasks. Options that hydra-submitit-launcher's BaseQueueConf lacks get the ``{cluster}_`` prefix. ``setup``:
-    shell lines run by the job before its tasks start (the allocator's exports), ahead of the options' own."""
+    shell lines run by the job before its tasks start (the allocator's exports), ahead of the options' own, and
+    after ``free_port_line``."""
     import submitit
 
     params = {k: v for k, v in params.items() if k != "_target_"}
-    if setup:
-        params["setup"] = [*setup, *list(params.get("setup") or [])]
+    params["setup"] = [free_port_line(), *(setup or []), *list(params.get("setup") or [])]
     init = {"folder": params.pop("submitit_folder")}
     if "max_num_timeout" in params:
         init[f"{cluster}_max_num_timeout"] = params.pop("max_num_timeout")
@@ -436,5 +446,5 @@ def _write_job_record(run_dir: Path, record: dict) -> None:
         pass
 
 
-__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "job_shape", "make_executor", "preempt_signal_name",
-           "submit_run"]
+__all__ = ["DistevalSubmititLauncher", "JobFailed", "export_rank_env", "free_port_line", "job_shape", "make_executor",
+           "preempt_signal_name", "submit_run"]

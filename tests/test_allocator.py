@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,12 @@ def test_submitit_jobs_export_the_allocator_to_their_ranks(tmp_path):
     rec = load_results(run)["allocator"]
     assert (rec["applied"], rec["in_force"], rec["ranks_agree"]) == ("glibc-tuned", "glibc-tuned", True)
     assert rec["glibc_tunables"] == "glibc.malloc.trim_threshold=7:glibc.malloc.mmap_threshold=33554432"
+    # the rendezvous port: one the kernel found free when the job started (launchers.submitit.free_port_line),
+    # not submitit's draw from the job id, which another program may hold
+    ports = {json.loads(p.read_text())["rendezvous"]["master_port"] for p in run.glob("ranks/rank*/status.json")}
+    (job_id,) = [p.name for p in (run / ".submitit").iterdir() if p.name.isdigit()]
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert len(ports) == 1 and low <= min(ports) <= high and ports != {random.Random(job_id).randint(20000, 60000)}
 
 
 @needs_libraries
