@@ -203,6 +203,47 @@ class Metric(abc.ABC):
         self.raise_deferred()
         return {k: v.detach().clone() for k, v in self._states.items()}
 
+    def mark(self) -> dict[str, torch.Tensor | int]:
+        """Where the states stand now, for ``contribution``: a copy of each sum-state, the row count of each
+        gather- and local-state (queued work folded in first; raises what ``raise_deferred`` raises, so a mark
+        never follows a batch that failed validation)."""
+        self._flush()
+        self.raise_deferred()
+        return {k: v.detach().clone() if self._reductions[k] == "sum" else int(v.shape[0])
+                for k, v in self._states.items()}
+
+    def contribution(self, mark: dict[str, torch.Tensor | int]) -> dict[str, torch.Tensor]:
+        """What the batches added since ``mark`` contributed, on the CPU: each sum-state's difference and each
+        gather-/local-state's new rows. Exact for int64 states and for rows (a state is a sum or a concatenation
+        of whole batches: the premise of synchronisation); a float64 sum-state's difference is exact only when
+        it was zero at the mark (bitwise mode folds float partials out of the states after every batch)."""
+        self._flush()
+        self.raise_deferred()
+        out = {}
+        for k, v in self._states.items():
+            at = mark[k]
+            out[k] = (v - at.to(v.device) if self._reductions[k] == "sum" else v[int(at):]).detach().cpu().clone()
+        return out
+
+    def add_contribution(self, part: dict[str, torch.Tensor]) -> None:
+        """Add a ``contribution`` of other batches after the batches added so far: sum-states add it, gather-
+        and local-states append its rows (so rows stay in the order of the batches). Raises KeyError for a
+        missing state, TypeError / ValueError for another dtype or sum-state shape."""
+        self._flush()
+        missing = sorted(set(self._states) - set(part))
+        if missing:
+            raise KeyError(f"contribution lacks states {missing}")
+        for k, v in self._states.items():
+            add = part[k]
+            if add.dtype != v.dtype:
+                raise TypeError(f"state {k!r}: contribution dtype {add.dtype} != declared {v.dtype}")
+            if self._reductions[k] == "sum":
+                if add.shape != v.shape:
+                    raise ValueError(f"state {k!r}: contribution shape {tuple(add.shape)} != {tuple(v.shape)}")
+                v += add.to(v.device)
+            else:
+                self._states[k] = torch.cat([v, add.to(v.device)])
+
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
         """Replace the states by a ``snapshot()`` of this metric (same names, dtypes and sum-state shapes).
         Raises KeyError for a missing state, TypeError / ValueError as ``load_synced``."""

@@ -97,6 +97,25 @@ class MetricCollection(Metric):
             prefix = f"{family}."
             m.restore({k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)})
 
+    def mark(self):
+        """``{"family.state": mark}`` of every family (``Metric.mark``)."""
+        return {f"{family}.{name}": v for family, m in self.metrics.items() for name, v in m.mark().items()}
+
+    def contribution(self, mark):
+        """``{"family.state": part}`` of every family since its part of ``mark`` (``Metric.contribution``)."""
+        return {f"{family}.{name}": v for family, m in self.metrics.items()
+                for name, v in m.contribution(self._part(mark, family)).items()}
+
+    def add_contribution(self, part) -> None:
+        """Every family adds its part of a ``contribution`` (``Metric.add_contribution``)."""
+        for family, m in self.metrics.items():
+            m.add_contribution(self._part(part, family))
+
+    @staticmethod
+    def _part(named: dict, family: str) -> dict:
+        prefix = f"{family}."
+        return {k[len(prefix):]: v for k, v in named.items() if k.startswith(prefix)}
+
     def compute(self) -> dict:
         """The families' results merged into one dict. Raises ValueError when two families report the same key."""
         out: dict = {}

@@ -14,6 +14,7 @@ from disteval.errors import DataError
 from disteval.metrics.base import Metric
 from disteval.metrics.coverage import SampleIdCoverage
 from disteval.metrics.ordered_sum import BatchTreeSum
+from disteval.metrics.window import Window
 
 
 class Evaluator:
@@ -40,19 +41,100 @@ class Evaluator:
         self._spans = array.array("q")  # (global batch, first sample id, size) per batch, flat
         self._digests: list[torch.Tensor] = []
         self._partials: list[torch.Tensor] = []
+        # windows (disteval.metrics.window): where the open one began, and recorded ones to add in id order
+        self.windows = False  # keep what take_window needs (the journal turns it on)
+        self._mark: dict | None = None
+        self._mark_at = (0, 0)  # lengths of _spans and _digests at the mark
+        self._leaves: list[tuple[int, torch.Tensor]] = []
+        self._replay: list[Window] = []
+        self.closed: list[Window] = []  # windows closed because a recorded one was added after them
+        self.replayed = {"windows": 0, "samples": 0}
 
     def process(self, batch_index: int, outputs: Any, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
         """Add one batch (global batch ``batch_index``): metric update, coverage, float fold, batch log.
-        Raises what ``metric.update`` raises (DataError naming the sample)."""
+        Recorded windows scheduled before its first sample id are added first (``schedule``). Raises what
+        ``metric.update`` raises (DataError naming the sample)."""
+        n = int(sample_ids.numel())  # sample ids stay on the host: no device access
+        first = int(sample_ids[0]) if n else -1
+        if self._replay and n:
+            self._add_recorded(until=first)
+        if self.windows and self._mark is None:
+            self._open_window()
         self.metric.update(outputs, targets, sample_ids)
         self.coverage.update(sample_ids)
-        n = int(sample_ids.numel())  # sample ids stay on the host: no device access
-        self._spans.extend((int(batch_index), int(sample_ids[0]) if n else -1, n))
+        self._spans.extend((int(batch_index), first, n))
         partial = self._fold(batch_index) if self.tree is not None else None
+        if partial is not None and self.windows:
+            self._leaves.append((int(batch_index), partial))
         if self.record_batches:
             self._digests.append(outputs_digest(outputs, n))
             if partial is not None:
                 self._partials.append(partial)
+
+    def _open_window(self) -> None:
+        self._mark = self.metric.mark()
+        self._mark_at = (len(self._spans), len(self._digests))
+        self._leaves = []
+
+    def take_window(self) -> Window | None:
+        """Close the open window (the batches processed since the last one) and return it, None when it holds
+        no batch. The next ``process`` opens the next window. Raises what ``Metric.raise_deferred`` raises."""
+        if self._mark is None or len(self._spans) == self._mark_at[0]:
+            return None
+        spans = torch.tensor(self._spans[self._mark_at[0]:], dtype=torch.int64).reshape(-1, 3)
+        runs = torch.stack([spans[:, 1], spans[:, 1] + spans[:, 2]], dim=1)
+        width = self.tree.width if self.tree is not None else 0
+        leaves = self._leaves
+        window = Window(
+            start=int(runs[0, 0]), end=int(runs[-1, 1]), spans=spans, runs=runs,
+            states=self.metric.contribution(self._mark),
+            leaf_batches=torch.tensor([b for b, _ in leaves], dtype=torch.int64),
+            leaf_values=torch.stack([v.detach().cpu() for _, v in leaves]) if leaves else
+            torch.zeros(0, width, dtype=torch.float64),
+            digests=torch.cat([d.cpu() for d in self._digests[self._mark_at[1]:]]) if self.record_batches and
+            len(self._digests) > self._mark_at[1] else torch.zeros(0, dtype=torch.int64))
+        self._mark = None
+        return window
+
+    def schedule(self, windows: list[Window]) -> None:
+        """Recorded windows of other runs to add in place of evaluating their batches: each is added just
+        before the first processed batch that comes after it in sample-id order, the rest at ``finish_local``.
+        Raises ValueError for overlapping windows or a window of float partials of another width."""
+        windows = sorted(windows, key=lambda w: w.start)
+        for a, b in zip(windows, windows[1:]):
+            if b.start < a.end:
+                raise ValueError(f"recorded windows [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap")
+        width = self.tree.width if self.tree is not None else 0
+        for w in windows:
+            if w.leaf_values.numel() and w.leaf_values.shape[1] != width:
+                raise ValueError(f"window [{w.start}, {w.end}): float partials of width {w.leaf_values.shape[1]}, "
+                                 f"this metric has {width}")
+        self._replay = windows
+
+    def _add_recorded(self, until: int | None) -> None:
+        """Add the scheduled windows that start before sample id ``until`` (all of them for None), after
+        closing the open window (kept in ``closed``: a window never mixes evaluated and recorded batches)."""
+        due = [w for w in self._replay if until is None or w.start < until]
+        if not due:
+            return
+        if self.windows:
+            open_window = self.take_window()
+            if open_window is not None:
+                self.closed.append(open_window)
+        self._replay = self._replay[len(due):]
+        for w in due:
+            self.metric.add_contribution(w.states)
+            self.coverage.update_runs(w.runs)
+            self._spans.extend(int(x) for x in w.spans.reshape(-1).tolist())
+            if self.tree is not None:
+                for b, v in zip(w.leaf_batches.tolist(), w.leaf_values):
+                    self.tree.add(int(b), v.to(torch.float64))
+                    if self.record_batches:
+                        self._partials.append(v)
+            if self.record_batches:
+                self._digests.append(w.digests)
+            self.replayed["windows"] += 1
+            self.replayed["samples"] += w.samples
 
     def _fold(self, batch_index: int) -> torch.Tensor | None:
         floats = self.metric.float_sum_states()
@@ -91,6 +173,8 @@ class Evaluator:
         per-rank summaries and checkpoints); a no-op in fast mode. First raises what the metric found wrong
         but recorded on the device only (``Metric.raise_deferred``: DataError naming the sample id, here also
         its global batch)."""
+        if self._replay:
+            self._add_recorded(until=None)
         try:
             self.metric.raise_deferred()
         except DataError as exc:

@@ -1,0 +1,77 @@
+"""A window: what one rank added to its evaluator over a run of consecutive batches, self-contained, so
+that another run (of any world size) can add it again instead of evaluating those batches (durable
+progress, ``disteval.rank.journal``).
+
+A window holds the metric's contribution (``Metric.contribution``: int64 sum-state differences, the new rows
+of gather- and local-states), the sample-id runs it covered, the batches as ``[global batch, first id, size]``
+and, in bitwise mode, each batch's float partials (the leaves of ``BatchTreeSum``, so float sums stay
+independent of who evaluated the batch); with ``eval.record_batches`` also the per-sample output digests.
+Adding windows and evaluated batches in the order of their sample ids gives every state exactly what an
+uninterrupted run gives: sums add, rows concatenate in order, leaves keep their global batch index.
+Pure: no files (``to_tensors``/``from_tensors`` for ``torch.save`` with ``weights_only`` loading).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Window:
+    """Samples ``[start, end)`` (ids; ``end - start`` of them were evaluated in ``spans``' batches).
+
+    spans: int64 [b, 3] ``(global batch, first sample id, size)`` per batch, in order; runs: int64 [k, 2]
+    ``[start, end)`` of the ids covered; states: ``{state: tensor}`` (``Metric.contribution``); leaf_batches
+    int64 [m] and leaf_values float64 [m, width]: the float partials of bitwise mode (m = 0 in fast mode or
+    without float states); digests int64 [n]: per-sample output digests (empty unless recorded)."""
+
+    start: int
+    end: int
+    spans: torch.Tensor
+    runs: torch.Tensor
+    states: dict[str, torch.Tensor]
+    leaf_batches: torch.Tensor
+    leaf_values: torch.Tensor
+    digests: torch.Tensor
+
+    @property
+    def samples(self) -> int:
+        """Samples evaluated in the window."""
+        return int(self.spans[:, 2].sum()) if self.spans.numel() else 0
+
+    def to_tensors(self) -> dict:
+        """A dict of ints and tensors only (``torch.load(weights_only=True)`` reads it back), with a 63-bit
+        BLAKE2b ``digest`` of everything else, checked by ``from_tensors``."""
+        body = {"start": int(self.start), "end": int(self.end), "spans": self.spans, "runs": self.runs,
+                "states": dict(self.states), "leaf_batches": self.leaf_batches, "leaf_values": self.leaf_values,
+                "digests": self.digests}
+        return {**body, "digest": _digest(body)}
+
+    @classmethod
+    def from_tensors(cls, data: dict) -> "Window":
+        """The window of a ``to_tensors`` dict. Raises ValueError when its digest does not match (a torn or
+        altered record: its batches must be evaluated again, never trusted) or a field is missing."""
+        try:
+            body = {k: data[k] for k in ("start", "end", "spans", "runs", "states", "leaf_batches",
+                                         "leaf_values", "digests")}
+            want = int(data["digest"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a window record: {exc!r}") from None
+        if _digest(body) != want:
+            raise ValueError("its digest does not match its contents (torn or altered)")
+        return cls(**body)
+
+
+def _digest(body: dict) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{body['start']}:{body['end']}".encode())
+    tensors = [("spans", body["spans"]), ("runs", body["runs"]), ("leaf_batches", body["leaf_batches"]),
+               ("leaf_values", body["leaf_values"]), ("digests", body["digests"]),
+               *sorted((f"state:{k}", v) for k, v in body["states"].items())]
+    for name, t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return int.from_bytes(h.digest(), "little") >> 1
