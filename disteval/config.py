@@ -438,6 +438,24 @@ CI_MIN_RESAMPLES, CI_MAX_RESAMPLES = 50, 100_000
 
 
 @dataclass
+class JournalConfig:
+    """``eval.journal.*``: durable progress (``disteval.rank.journal``). enabled: every rank records what it
+    evaluated as it goes, so that ``eval.resume=RUN_DIR`` can finish an interrupted run at any world size;
+    every_batches / every_s: a rank records after this many batches or seconds, whichever comes first (at most
+    that much work of a rank is evaluated again after it dies). Runs the journal cannot resume exactly (several
+    trials, streamed shards, a device mesh, a checkpoint set, a sampler that pads or drops, a prediction store or
+    per-sample intervals) record nothing; results.json ``journal`` says why."""
+
+    enabled: bool = True
+    every_batches: int = 50
+    every_s: float = 30.0
+
+    def validate(self) -> None:
+        _at_least("eval.journal.every_batches", self.every_batches, 1)
+        _finite_positive("eval.journal.every_s", self.every_s, most=86400.0)
+
+
+@dataclass
 class PredictionsConfig:
     """``eval.predictions.*``: what ``eval.save_predictions=true`` stores per sample
     (RUN_DIR/predictions/rank{r}.parquet and _manifest.json; columns per task in
@@ -561,7 +579,9 @@ class EvalBase:
     max-autotune-no-cudagraphs). compile_backend: torch.compile's backend (inductor; ``eager`` or ``aot_eager``
     trace the model without generating kernels: for checking that a model compiles, and in the tests).
     With save_predictions=true a segmentation run writes its predicted maps as a COCO-style results file
-    (image_id = sample id, category_id = class index)."""
+    (image_id = sample id, category_id = class index). journal: durable progress (``JournalConfig``). resume: the
+    run directory of an interrupted run whose recorded progress this run adds instead of evaluating it again,
+    at any world size (``disteval.rank.journal``); refused before any rank starts when it was another run."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -581,10 +601,12 @@ class EvalBase:
     compile_backend: str = "inductor"
     predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
     ci: CIConfig = field(default_factory=CIConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    resume: Optional[str] = None
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""
-        for name in (*sorted(OPTIONS), "ci"):
+        for name in (*sorted(OPTIONS), "ci", "journal"):
             getattr(self, name).validate()
         _at_least("eval.predictions.topk", self.predictions.topk, 1)
         _at_least("eval.trials", self.trials, 1)

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from disteval.metrics.robust import rank_outliers
 from disteval.models.fastpath import as_channels_last, prepare_model
 from disteval.rank.parallel import MeshRun, dims_from_config, first_inputs, parallel_model
 from disteval.rank.intervals import Intervals
+from disteval.rank.journal import RankJournal
 from disteval.rank.results import exclusion_record, finish, finish_members
 from disteval.rank.peers import PeerFailedError, PeerWatch
 from disteval.rank.plan import RunPlan
@@ -97,6 +99,7 @@ class RankRun:
         self.canary: dict | None = None
         self.store = store_hook(ctx, self.task, self.members)
         self.intervals = Intervals(ctx, self.task, self.members)
+        self.journal = RankJournal(ctx, self.plan, bool(self.members))  # durable progress, eval.resume
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -199,13 +202,17 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
+        # eval.resume: the recorded windows of this shard are added, only the other batches evaluated
+        batches, recorded = self.journal.prepare(ev) if not (skip or self.outcomes) else (None, 0)
+        journal = [self.journal.hook_for(ev)] if not self.outcomes and self.journal.why_not is None else []
         guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
                                                         guard.progress.samples, self.ckpt_key)) if self.plan.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)
         with display:
             with guard if guard is not None else contextlib.nullcontext():  # a checkpoint never holds synced states
-                progress = evaluate_shard(self.model, self.dataset, ev, self._spec(skip), step=self._step(),
-                                          hooks=self._hooks(display, guard))
+                progress = evaluate_shard(self.model, self.dataset, ev,
+                                          replace(self._spec(skip), batches=batches, recorded=recorded),
+                                          step=self._step(), hooks=[*self._hooks(display, guard), *journal])
             ctx.status.update(phase="sync", samples_done=progress.samples, batches_done=progress.batches, force=True)
             self.faults.on_sync()
             if self.watch:
@@ -248,7 +255,7 @@ class RankRun:
                 "fingerprint": self.fingerprint, **({"predictions": self.store.entry} if self.store else {}),
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
-                "pipeline": pipeline_record(progress),
+                "pipeline": pipeline_record(progress), "journal": self.journal.record(),
                 **({"skipped": progress.skipped} if self.streamed else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 

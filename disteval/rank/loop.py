@@ -46,6 +46,9 @@ class ShardSpec:
     dummy_steps: forwards to run after
     the shard, outputs discarded (a model sharded across data-parallel ranks needs every rank in each forward;
     ``disteval.data.sharding.lockstep_plan``); dummy_inputs: ``() -> inputs`` of one such forward.
+    batches: only these batches ``[start, end)`` of sample ids, in order (a resumed run: the batches of the shard
+    that no recorded window covers, ``disteval.rank.journal``); recorded: the shard's samples the recorded
+    windows hold (counted as done from the start).
     """
 
     rank: int
@@ -65,6 +68,8 @@ class ShardSpec:
     loader_timeout_s: float | None = None
     dummy_steps: int = 0
     dummy_inputs: Callable[[], Any] | None = None
+    batches: list[tuple[int, int]] | None = None
+    recorded: int = 0
 
 
 @dataclass
@@ -89,6 +94,7 @@ class LoopProgress:
     # (read, decode, transform, collate: worker-seconds) when the dataset times them; read with ``pipeline_record``
     timer: Any = None
     stages: dict = field(default_factory=dict)
+    grid: int = 0  # > 0: batches skip recorded ones, a batch's global index is its first sample id // grid
 
 
 class LoopHook:
@@ -120,6 +126,9 @@ class LoopHook:
     def after_dummy(self, progress: LoopProgress) -> None:
         """After each dummy step (a forward whose outputs are discarded, ``ShardSpec.dummy_steps``)."""
 
+    def before_finish(self, progress: LoopProgress) -> None:
+        """Once, after the last batch and before the evaluator's ``finish_local`` (the journal's last window)."""
+
     def after_loop(self, progress: LoopProgress) -> None:
         """Once, after the last batch and the dummy steps."""
 
@@ -129,6 +138,17 @@ def make_loader(dataset: Dataset, spec: ShardSpec) -> tuple[DataLoader, Any]:
     re-import torch, seconds each)."""
     sampler = build_sampler(spec.sampler, len(dataset), spec.world_size, spec.rank, skip=spec.skip,
                             batch_size=spec.batch_size if spec.aligned else None)
+    if spec.batches is not None:  # a resumed shard: the batches no recorded window covers, each whole
+        lists = [list(range(a, b)) for a, b in spec.batches]
+        if spec.num_workers == 0 and spec.collate_fn is None and getattr(dataset, "in_memory", False):
+            return DataLoader(_Batches(dataset), batch_size=None, pin_memory=spec.pin_memory, sampler=lists), sampler
+        clock = getattr(dataset, "stage_clock", None)
+        workers = spec.num_workers > 0
+        return DataLoader(dataset, batch_sampler=lists, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
+                          prefetch_factor=spec.prefetch_factor if workers else None,
+                          timeout=(spec.loader_timeout_s or 0) if workers else 0,
+                          collate_fn=TimedCollate(clock, spec.collate_fn) if clock is not None else spec.collate_fn,
+                          **_worker_processes(spec.num_workers)), sampler
     if spec.num_workers == 0 and spec.collate_fn is None and getattr(dataset, "in_memory", False):
         # tensors already in memory: each batch is one slice copy (or gather) out of them, not B per-item
         # fetches and a collation (measured: per-item fetch was ~3% of a pass of a small CNN over 10,000
@@ -250,6 +270,8 @@ def inference_on_dataset(model: Any, loader: Iterable, evaluator: Evaluator, ste
         timer.events["host_to_device"] = loader.copies
     progress.timer = timer
     progress.stages.update(loop=progress.seconds_forward, images=progress.samples - n0)
+    for hook in hooks:
+        hook.before_finish(progress)
     evaluator.finish_local()
     for hook in hooks:
         hook.after_loop(progress)
@@ -351,6 +373,8 @@ def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) ->
     not evaluated) and counted as done."""
     if not isinstance(batch, StreamBatch):
         inputs, targets, ids = batch
+        if progress.grid and ids.numel():  # batches around recorded ones: the global grid by sample id
+            return inputs, targets, ids, int(ids[0]) // progress.grid
         return inputs, targets, ids, progress.first_batch + k
     if batch.skipped.numel():
         progress.skipped.extend(int(i) for i in batch.skipped)
@@ -393,6 +417,9 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
         if first is None:  # not batch-aligned (fast mode, padded/drop_last samplers): rank-unique batch numbers
             first = spec.rank * max(len(loader), 1)
         progress = LoopProgress(start, end, first, planned=len(sampler) + spec.skip, samples=spec.skip)
+        if spec.batches is not None:
+            progress.samples = spec.recorded
+            progress.grid = spec.batch_size if spec.aligned else 0
     if spec.dummy_steps and spec.dummy_inputs is None:
         raise ValueError(f"ShardSpec: {spec.dummy_steps} dummy steps planned but no dummy_inputs")
     progress.dummy_planned = spec.dummy_steps
@@ -400,7 +427,8 @@ def evaluate_shard(model: Any, dataset: Dataset, evaluator: Evaluator, spec: Sha
     if spec.warmup:
         progress.seconds_warmup = -1.0  # marks: time the first batch apart
     # a pixel cache being built sees the host batches of a whole, fresh shard (not a resumed one)
-    tap = dataset.host_tap(progress.start, progress.end) if hasattr(dataset, "host_tap") and not spec.skip else None
+    tap = dataset.host_tap(progress.start, progress.end) if hasattr(dataset, "host_tap") and not spec.skip and \
+        spec.batches is None else None
     clock = getattr(dataset, "stage_clock", None)
     if clock is not None:
         clock.reset()

@@ -21,6 +21,7 @@ from disteval.models.checkpoint_set import with_checkpoint
 from disteval.rank import model_set
 from disteval.rank.bootstrap import say
 from disteval.rank.canary import describe
+from disteval.rank.journal import journal_summary
 from disteval.rank.predictions import store_record, weights_digest
 
 log = logging.getLogger("disteval.rank")
@@ -86,7 +87,7 @@ def finish(run: Any, t_total: float) -> dict | None:
         "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
                                             if r.get("fingerprint")}),
         "canary": run.canary, "confidence_intervals": None,  # added after this write (add_intervals)
-        "filesystem": ctx.filesystem,
+        "filesystem": ctx.filesystem, "journal": journal_summary(last["rows"]),
         **({"parallel": run.mesh.record()} if run.mesh else {}),
         **decode_errors(run, last["rows"])})
     if run.store is not None:

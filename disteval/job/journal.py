@@ -1,0 +1,133 @@
+"""The journal's records (``eval.journal``, ``eval.resume``): what a run directory holds of a run's durable
+progress and how another run finds and checks it. The ranks write them (``disteval.rank.journal``); the driver
+checks a resume against them before any rank starts (``check_resume``).
+
+``RUN_DIR/journal.json`` (rank 0): what the numbers depend on (``identity``: model, data, precision and
+evaluation settings; not the world size, launcher, loader workers or timeouts), the sample count, and the run
+resumed from, if any. ``RUN_DIR/ranks/rank{r}/journal/{start}-{end}.pt``: one window (``disteval.metrics.window``)
+per file, named by its first and end sample ids (12 digits), written atomically. A window on another node's
+local disk is not seen by a resume: its batches are evaluated again (never wrong, only slower).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from disteval.errors import ConfigError
+from disteval.job.records import atomic_write_json, plain
+from disteval.metrics.window import Window
+
+log = logging.getLogger("disteval.rank")
+
+MANIFEST = "journal.json"
+SCHEMA = 1
+# settings that do not change any number of a run (how and where it runs): left out of the identity
+NOT_IDENTITY = ("dist", "communication", "hydra", "eval.resume", "eval.journal", "eval.progress",
+                "eval.status_interval_s", "eval.overwrite", "eval.save_predictions", "eval.predictions", "eval.ci",
+                "eval.trials", "eval.trial_aggregate", "eval.clip_sigma", "eval.outlier_z",
+                "eval.exclude_outlier_ranks", "data.num_workers", "data.prefetch_factor",
+                "data.persistent_workers", "data.loader_timeout_s", "data.cache", "data.cache_dir",
+                "data.cache_verify", "experiment_name", "communication_profile", "preflight_notes")
+
+
+def identity(cfg: Any) -> dict[str, Any]:
+    """``{dotted key: value}`` of every setting a run's numbers depend on (all of the resolved config but
+    ``NOT_IDENTITY``): two runs with equal identities evaluate the same samples into the same states."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif not any(prefix == x or prefix.startswith(x + ".") for x in NOT_IDENTITY):
+            flat[prefix] = node
+
+    walk(plain(cfg), "")
+    return flat
+
+
+def journal_dir(run_dir: Path, rank: int) -> Path:
+    """``RUN_DIR/ranks/rank{rank}/journal``."""
+    return Path(run_dir) / "ranks" / f"rank{rank}" / "journal"
+
+
+def write_manifest(run_dir: Path, cfg: Any, num_samples: int) -> None:
+    """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, resumed_from}, atomically."""
+    resume = cfg.eval.resume
+    atomic_write_json(Path(run_dir) / MANIFEST, {
+        "schema": SCHEMA, "identity": identity(cfg), "num_samples": int(num_samples),
+        "resumed_from": str(Path(resume).resolve()) if resume else None})
+
+
+def _manifest(run_dir: Path) -> dict:
+    path = Path(run_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("eval.resume", f"{run_dir} holds no {MANIFEST}: not the run directory of a run that "
+                          "recorded its progress (eval.journal.enabled)") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("eval.resume", f"{path} cannot be read: {exc}") from None
+
+
+def check_resume(cfg: Any, num_samples: int | None = None) -> list[Path]:
+    """Before any rank starts (and again on each rank with the dataset's size): the run directories whose
+    records ``eval.resume`` will use (the one named and those it resumed from), after checking that each
+    recorded the same ``identity`` as ``cfg``. Raises ConfigError naming ``eval.resume`` and each setting that
+    differs (old and new value), a missing directory or manifest, another sample count, or a cycle."""
+    chain: list[Path] = []
+    at = Path(str(cfg.eval.resume)).expanduser()
+    want = identity(cfg)
+    while at is not None:
+        if not at.is_dir():
+            raise ConfigError("eval.resume", f"no run directory {at}")
+        if at.resolve() in chain:
+            raise ConfigError("eval.resume", f"{at} resumes from itself (a cycle of resumed runs)")
+        manifest = _manifest(at)
+        got = manifest.get("identity") or {}
+        differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        if differ:
+            shown = "; ".join(f"{k}: recorded {got.get(k)!r}, now {want.get(k)!r}" for k in differ[:8])
+            raise ConfigError("eval.resume", f"the records in {at} are of another run: {shown}"
+                              f"{' (and more)' if len(differ) > 8 else ''}; resume with the settings the run had")
+        if num_samples is not None and int(manifest.get("num_samples", -1)) != int(num_samples):
+            raise ConfigError("eval.resume", f"the records in {at} cover {manifest.get('num_samples')} samples; the "
+                              f"dataset now has {num_samples} (its files changed?)")
+        chain.append(at.resolve())
+        nxt = manifest.get("resumed_from")
+        at = Path(nxt) if nxt else None
+    return chain
+
+
+def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
+    """The recorded windows that lie whole inside samples ``[start, end)``, from every rank's journal of the
+    runs in ``chain``, without overlaps (the first found is kept), and the problems met (a file that cannot be
+    read or whose digest does not match: its batches are evaluated again). Pure reading, no collective."""
+    found: list[Window] = []
+    problems: list[str] = []
+    for run_dir in chain:
+        for path in sorted(Path(run_dir).glob("ranks/rank*/journal/*.pt")):
+            try:
+                a, b = (int(x) for x in path.stem.split("-"))
+            except ValueError:
+                continue
+            if a < start or b > end:
+                continue
+            try:
+                window = Window.from_tensors(torch.load(path, weights_only=True, map_location="cpu"))
+            except Exception as exc:  # noqa: BLE001 - a torn or altered record is evaluated again, never trusted
+                problems.append(f"{path}: {exc}")
+                continue
+            if (window.start, window.end) != (a, b):
+                problems.append(f"{path}: holds samples [{window.start}, {window.end}), not its name's")
+                continue
+            found.append(window)
+    kept: list[Window] = []
+    for w in sorted(found, key=lambda w: (w.start, -w.end)):
+        if kept and w.start < kept[-1].end:
+            continue
+        kept.append(w)
+    return kept, problems
