@@ -49,6 +49,20 @@ def identity(cfg: Any) -> dict[str, Any]:
     return flat
 
 
+def resume_problem(cfg: Any, streamed: bool, meshed: bool, members: bool) -> str | None:
+    """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
+    ``streamed``: tar shards planned per rank; ``meshed``: a ``dist.parallel`` device mesh; ``members``: a
+    ``model.checkpoints`` job."""
+    sampler = str(cfg.data.sampler)
+    reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
+               (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
+               (streamed, "streamed shards (data.urls)"), (meshed, "a dist.parallel device mesh"),
+               (members, "model.checkpoints (a checkpoint set)"),
+               (bool(cfg.eval.save_predictions), "eval.save_predictions (the prediction store is not recorded)"),
+               (int(cfg.eval.ci.resamples) > 0, "eval.ci.resamples > 0 (per-sample rows are not recorded)")]
+    return next((why for bad, why in reasons if bad), None)
+
+
 def journal_dir(run_dir: Path, rank: int) -> Path:
     """``RUN_DIR/ranks/rank{rank}/journal``."""
     return Path(run_dir) / "ranks" / f"rank{rank}" / "journal"

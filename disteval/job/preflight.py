@@ -16,6 +16,7 @@ from disteval.errors import ConfigError, RendezvousError
 from disteval.models.builders import tp_split_problems, weights_plan
 from disteval.models.checkpoint_set import expand_checkpoints, with_checkpoint
 from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
+from disteval.job.journal import check_resume, resume_problem
 from disteval.rank.sync import SyncPolicy, check_sync_policy, sync_policy_notes
 from disteval.tasks import resolve_task
 
@@ -117,6 +118,13 @@ def check_job(cfg: Any, notes: list[str]) -> None:
     if cfg.eval.exclude_outlier_ranks and task.rank_metric is None:
         raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "
                           "metric to find outlier ranks from (Task.rank_metric; classification's is top-1 accuracy)")
+    if cfg.eval.resume:  # the records are of this run, and the run can be resumed exactly
+        meshed = any(v is not None for v in (cfg.dist.parallel.dp_replicate, cfg.dist.parallel.dp_shard,
+                                             cfg.dist.parallel.tp))
+        why = resume_problem(cfg, bool(task.streamed), meshed, bool(cfg.model.checkpoints))
+        if why is not None:
+            raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
+        check_resume(cfg)
     metric, policy = task.metric(), SyncPolicy.from_config(cfg.communication)
     check_sync_policy(metric, policy)
     notes.extend(sync_policy_notes(metric, policy))

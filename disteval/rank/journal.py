@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from disteval.errors import ConfigError
-from disteval.job.journal import check_resume, journal_dir, recorded_windows, write_manifest
+from disteval.job.journal import check_resume, journal_dir, recorded_windows, resume_problem, write_manifest
 from disteval.metrics.window import Window
 from disteval.rank.loop import LoopHook, LoopProgress
 
@@ -32,15 +32,9 @@ log = logging.getLogger("disteval.rank")
 
 
 def unsupported(cfg: Any, plan: Any, members: bool) -> str | None:
-    """Why this run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``plan``: the rank's ``RunPlan``; ``members``: a ``model.checkpoints`` job."""
-    reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
-               (plan.sampler != "exact", f"data.sampler={plan.sampler} (pads or drops samples)"),
-               (plan.streamed, "streamed shards (data.urls)"), (plan.meshed, "a dist.parallel device mesh"),
-               (members, "model.checkpoints (a checkpoint set)"),
-               (bool(cfg.eval.save_predictions), "eval.save_predictions (the prediction store is not recorded)"),
-               (int(cfg.eval.ci.resamples) > 0, "eval.ci.resamples > 0 (per-sample rows are not recorded)")]
-    return next((why for bad, why in reasons if bad), None)
+    """Why this run cannot record its progress for an exact resume (``disteval.job.journal.resume_problem``),
+    None when it can. ``plan``: the rank's ``RunPlan``; ``members``: a ``model.checkpoints`` job."""
+    return resume_problem(cfg, plan.streamed, plan.meshed, members)
 
 
 def uncovered_batches(start: int, end: int, batch_size: int, windows: list[Window]) -> list[tuple[int, int]]:

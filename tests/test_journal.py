@@ -1,0 +1,134 @@
+"""Durable progress and resume at any world size (eval.journal, eval.resume; disteval.rank.journal) with real
+``python -m disteval`` runs on the digits test set (540 samples, 34 batches of 16): a rank SIGKILLed mid-loop at
+W = 4, the run resumed at W = 1 and at W = 3, that resumed run killed in turn and resumed again at W = 2 (a
+chain of records), a record altered on disk, a driver SIGKILLed, a disk that fills while records are written,
+fast mode: each run's metrics ``==`` an uninterrupted run's (fast mode: counts exact, floats within rounding),
+every sample counted once (results.json coverage) and the split between recorded and evaluated samples
+reported. A resume with another setting, or of a run that cannot be resumed exactly, is refused before any
+rank starts, naming the setting."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import load_results, run_disteval
+
+N = 540
+Q = ("eval.progress=false", "data.batch_size=16", "eval.journal.every_batches=2", "eval.ci.resamples=0")
+
+
+def _run(tmp_path, name, *overrides, env=None, ok=True):
+    run = tmp_path / name
+    proc = run_disteval(*Q, *overrides, run_dir=run, env=env)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, run
+
+
+def _check_resumed(run, want: dict, resumed_from) -> dict:
+    got = load_results(run)
+    assert got["metrics"] == want, run
+    assert got["coverage"]["ok"] and got["exact"], got["coverage"]  # every id once: none twice, none missing
+    j = got["journal"]
+    assert j["resumed_from"] == str(resumed_from.resolve())
+    assert j["samples_resumed"] > 0 and j["samples_resumed"] + j["samples_evaluated"] == N, j
+    return j
+
+
+def test_killed_runs_resume_at_other_world_sizes_with_identical_metrics(tmp_path):
+    _, full = _run(tmp_path, "full", "dist.world_size=2")
+    want = load_results(full)["metrics"]
+    assert load_results(full)["journal"]["samples_recorded"] == N
+    proc, killed = _run(tmp_path, "killed", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@1:batch=5"}, ok=False)
+    assert proc.returncode != 0 and not (killed / "results.json").exists()
+    recorded = sorted(p.name for p in killed.glob("ranks/rank1/journal/*.pt"))
+    assert recorded == ["000000000144-000000000176.pt", "000000000176-000000000208.pt"]  # batches 9-12 of rank 1
+    for w in (1, 3):
+        _, run = _run(tmp_path, f"resumed_w{w}", f"dist.world_size={w}", f"eval.resume={killed}")
+        _check_resumed(run, want, killed)
+    # a resumed run killed in turn, resumed again at W = 2: the records of both runs are used
+    _run(tmp_path, "again", "dist.world_size=3", f"eval.resume={killed}", env={"DISTEVAL_FAULTS": "kill@0:batch=1"},
+         ok=False)
+    _, run = _run(tmp_path, "chain", "dist.world_size=2", f"eval.resume={tmp_path / 'again'}")
+    j = _check_resumed(run, want, tmp_path / "again")
+    assert j["samples_resumed"] > load_results(tmp_path / "resumed_w1")["journal"]["samples_resumed"]
+    # records torn (cut short) and altered on disk are refused and their batches evaluated again
+    torn, altered = (killed / "ranks" / "rank1" / "journal" / name for name in recorded)
+    torn.write_bytes(torn.read_bytes()[:-100])
+    data = torch.load(altered, weights_only=True)
+    key = next(k for k, v in data["states"].items() if v.dtype == torch.int64 and v.numel())
+    data["states"][key].view(-1)[0] += 1
+    torch.save(data, altered)
+    _, run = _run(tmp_path, "altered", "dist.world_size=2", f"eval.resume={killed}")
+    j = _check_resumed(run, want, killed)
+    assert len(j["refused"]) == 2 and "digest" in j["refused"][1], j["refused"]
+
+
+def test_a_resume_of_another_run_is_refused_before_ranks_start(tmp_path):
+    _, full = _run(tmp_path, "full", "dist.world_size=1")
+    proc, run = _run(tmp_path, "other", "dist.world_size=1", "data.batch_size=32", f"eval.resume={full}", ok=False)
+    assert proc.returncode == 2 and "eval.resume" in proc.stderr and "data.batch_size: recorded 16, now 32" in proc.stderr
+    assert not (run / "ranks").exists()
+    proc, _ = _run(tmp_path, "trials", "dist.world_size=1", "eval.trials=2", f"eval.resume={full}", ok=False)
+    assert proc.returncode == 2 and "eval.trials > 1" in proc.stderr
+    proc, _ = _run(tmp_path, "none", "dist.world_size=1", f"eval.resume={tmp_path / 'absent'}", ok=False)
+    assert proc.returncode == 2 and "no run directory" in proc.stderr
+
+
+def test_a_killed_driver_and_a_full_disk(tmp_path):
+    _, full = _run(tmp_path, "full", "dist.world_size=1")
+    want = load_results(full)["metrics"]
+    # the driver SIGKILLed while its ranks evaluate (every rank slowed after its 3rd batch): the ranks end
+    # (they watch the driver), the records stay
+    killed = tmp_path / "driver_killed"
+    env = dict(os.environ, DISTEVAL_FAULTS="delay@*:batch=3,seconds=30", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={killed}", "dist.world_size=2", *Q],
+                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while len(list(killed.glob("ranks/rank*/journal/*.pt"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(list(killed.glob("ranks/rank*/journal/*.pt"))) >= 2
+    _, run = _run(tmp_path, "after_driver", "dist.world_size=3", f"eval.resume={killed}")
+    _check_resumed(run, want, killed)
+    # the disk fills after rank 0's 2nd batch: the run fails naming it; the records written before it are whole
+    # (no temporary file left) and the run resumes from them once there is space
+    proc, disk = _run(tmp_path, "diskfull", "dist.world_size=2", env={"DISTEVAL_FAULTS": "diskfull@0:batch=2"}, ok=False)
+    assert proc.returncode == 1 and "ENOSPC" in proc.stderr
+    assert not list(disk.glob("ranks/rank*/journal/.tmp*"))
+    _, run = _run(tmp_path, "after_disk", "dist.world_size=1", f"eval.resume={disk}")
+    _check_resumed(run, want, disk)
+
+
+def test_fast_mode_resume_counts_exact_floats_within_rounding(tmp_path):
+    _, full = _run(tmp_path, "full", "dist.world_size=1", "eval.mode=fast")
+    want = load_results(full)["metrics"]
+    _run(tmp_path, "killed", "dist.world_size=3", "eval.mode=fast", env={"DISTEVAL_FAULTS": "kill@2:batch=4"},
+         ok=False)
+    _, run = _run(tmp_path, "resumed", "dist.world_size=2", "eval.mode=fast", f"eval.resume={tmp_path / 'killed'}")
+    got = load_results(run)
+    assert got["coverage"]["ok"] and got["journal"]["samples_resumed"] > 0
+    for key, value in want.items():
+        _close(got["metrics"][key], value, key)
+
+
+def _close(got, want, key):
+    """Equal, floats within rounding (nested lists and dicts element by element)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), key
+    elif isinstance(want, list):
+        assert len(got) == len(want), key
+        for g, w in zip(got, want):
+            _close(g, w, key)
+    elif isinstance(want, dict):
+        assert set(got) == set(want), key
+        for k in want:
+            _close(got[k], want[k], f"{key}.{k}")
+    else:
+        assert got == want, key
