@@ -21,7 +21,8 @@ LAYERS = [
     ("disteval.precision", "support"), ("disteval.faults", "support"), ("disteval.config", "support"),
     # the job: what the driver and the launchers share: the records' contract, their presentation, checks
     # before any rank starts, the run directory, a sweep's summary
-    ("disteval.job.records", "records"), ("disteval.job.report", "report"), ("disteval.job.htmlreport", "report"),
+    ("disteval.job.records", "records"), ("disteval.job.journal", "records"),  # journal: its records' contract
+    ("disteval.job.report", "report"), ("disteval.job.htmlreport", "report"),
     ("disteval.job", "job"),
     # a rank's process: its synchronisation, the shard's loop, and the process group, evaluation and records
     ("disteval.rank.sync", "sync"), ("disteval.rank.loop", "loop"), ("disteval.rank.peers", "loop"),

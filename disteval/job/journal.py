@@ -15,10 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from disteval.errors import ConfigError
 from disteval.job.records import atomic_write_json, plain
-from disteval.metrics.window import Window
 
 log = logging.getLogger("disteval.rank")
 
@@ -114,34 +112,3 @@ def check_resume(cfg: Any, num_samples: int | None = None) -> list[Path]:
         nxt = manifest.get("resumed_from")
         at = Path(nxt) if nxt else None
     return chain
-
-
-def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
-    """The recorded windows that lie whole inside samples ``[start, end)``, from every rank's journal of the
-    runs in ``chain``, without overlaps (the first found is kept), and the problems met (a file that cannot be
-    read or whose digest does not match: its batches are evaluated again). Pure reading, no collective."""
-    found: list[Window] = []
-    problems: list[str] = []
-    for run_dir in chain:
-        for path in sorted(Path(run_dir).glob("ranks/rank*/journal/*.pt")):
-            try:
-                a, b = (int(x) for x in path.stem.split("-"))
-            except ValueError:
-                continue
-            if a < start or b > end:
-                continue
-            try:
-                window = Window.from_tensors(torch.load(path, weights_only=True, map_location="cpu"))
-            except Exception as exc:  # noqa: BLE001 - a torn or altered record is evaluated again, never trusted
-                problems.append(f"{path}: {exc}")
-                continue
-            if (window.start, window.end) != (a, b):
-                problems.append(f"{path}: holds samples [{window.start}, {window.end}), not its name's")
-                continue
-            found.append(window)
-    kept: list[Window] = []
-    for w in sorted(found, key=lambda w: (w.start, -w.end)):
-        if kept and w.start < kept[-1].end:
-            continue
-        kept.append(w)
-    return kept, problems

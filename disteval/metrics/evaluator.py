@@ -5,7 +5,8 @@ on the world size), plus optionally a per-batch record (output digests and float
 from __future__ import annotations
 
 import array
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -72,7 +73,8 @@ class Evaluator:
                 self._partials.append(partial)
 
     def _open_window(self) -> None:
-        self._mark = self.metric.mark()
+        with self._batch_named():
+            self._mark = self.metric.mark()
         self._mark_at = (len(self._spans), len(self._digests))
         self._leaves = []
 
@@ -85,9 +87,11 @@ class Evaluator:
         runs = torch.stack([spans[:, 1], spans[:, 1] + spans[:, 2]], dim=1)
         width = self.tree.width if self.tree is not None else 0
         leaves = self._leaves
+        with self._batch_named():
+            states = self.metric.contribution(self._mark)
         window = Window(
             start=int(runs[0, 0]), end=int(runs[-1, 1]), spans=spans, runs=runs,
-            states=self.metric.contribution(self._mark),
+            states=states,
             leaf_batches=torch.tensor([b for b, _ in leaves], dtype=torch.int64),
             leaf_values=torch.stack([v.detach().cpu() for _, v in leaves]) if leaves else
             torch.zeros(0, width, dtype=torch.float64),
@@ -175,15 +179,21 @@ class Evaluator:
         its global batch)."""
         if self._replay:
             self._add_recorded(until=None)
-        try:
+        with self._batch_named():
             self.metric.raise_deferred()
+        if self.tree is not None and self.float_names:
+            self.load_float_total(self.float_total())
+
+    @contextlib.contextmanager
+    def _batch_named(self) -> Iterator[None]:
+        """A deferred DataError of the metric raised in the block also names the sample's global batch."""
+        try:
+            yield
         except DataError as exc:
             batch = self.batch_of(exc.sample_id) if exc.sample_id is not None else None
             if batch is None:
                 raise
             raise DataError(f"{exc}, in global batch {batch}", sample_id=exc.sample_id) from None
-        if self.tree is not None and self.float_names:
-            self.load_float_total(self.float_total())
 
     def state_dict(self) -> dict:
         """The accumulated state as plain tensors (checkpoints with weights_only loading, exclusion of ranks):

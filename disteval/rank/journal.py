@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from disteval.errors import ConfigError
-from disteval.job.journal import check_resume, journal_dir, recorded_windows, resume_problem, write_manifest
+from disteval.job.journal import check_resume, journal_dir, resume_problem, write_manifest
 from disteval.metrics.window import Window
 from disteval.rank.loop import LoopHook, LoopProgress
 
@@ -35,6 +35,37 @@ def unsupported(cfg: Any, plan: Any, members: bool) -> str | None:
     """Why this run cannot record its progress for an exact resume (``disteval.job.journal.resume_problem``),
     None when it can. ``plan``: the rank's ``RunPlan``; ``members``: a ``model.checkpoints`` job."""
     return resume_problem(cfg, plan.streamed, plan.meshed, members)
+
+
+def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
+    """The recorded windows that lie whole inside samples ``[start, end)``, from every rank's journal of the
+    runs in ``chain``, without overlaps (the first found is kept), and the problems met (a file that cannot be
+    read or whose digest does not match: its batches are evaluated again). Pure reading, no collective."""
+    found: list[Window] = []
+    problems: list[str] = []
+    for run_dir in chain:
+        for path in sorted(Path(run_dir).glob("ranks/rank*/journal/*.pt")):
+            try:
+                a, b = (int(x) for x in path.stem.split("-"))
+            except ValueError:
+                continue
+            if a < start or b > end:
+                continue
+            try:
+                window = Window.from_tensors(torch.load(path, weights_only=True, map_location="cpu"))
+            except Exception as exc:  # noqa: BLE001 - a torn or altered record is evaluated again, never trusted
+                problems.append(f"{path}: {exc}")
+                continue
+            if (window.start, window.end) != (a, b):
+                problems.append(f"{path}: holds samples [{window.start}, {window.end}), not its name's")
+                continue
+            found.append(window)
+    kept: list[Window] = []
+    for w in sorted(found, key=lambda w: (w.start, -w.end)):
+        if kept and w.start < kept[-1].end:
+            continue
+        kept.append(w)
+    return kept, problems
 
 
 def uncovered_batches(start: int, end: int, batch_size: int, windows: list[Window]) -> list[tuple[int, int]]:
