@@ -25,12 +25,14 @@ TABLES = {"allocator.py": "allocator policies", "checkpoints.py": "checkpoints i
           "model_parallel.py": "model parallelism on CPU",
           "segmentation.py": "segmentation statistics per batch", "startup.py": "start-up phases",
           "streaming.py": "streaming read+decode", "sync_overhead.py": "sync overhead:",
-          "throughput.py": "loop throughput:", "input_pipeline.py": "input pipeline methods"}
+          "throughput.py": "loop throughput:", "input_pipeline.py": "input pipeline methods",
+          "journal.py": "journal cost:"}
 VERDICT = "checks passed"  # the last line of every benchmark whose checks passed
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
 USES_LAB = {"links.py"}  # the network lab: one xdist worker runs every lab test (tests/conftest.py)
 NEEDS_SAMPLE = {"input_pipeline.py"}  # its ImageNet-val-like tree is made from ../shared/data/imagenet-sample-224
-NEEDS_FASHION = {"bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py",
+NEEDS_FASHION = {"journal.py",
+                 "bitwise_mode.py", "sync_overhead.py", "throughput.py", "links.py", "heterogeneous.py", "prediction_store.py",
                  "checkpoints.py"}
 
 
