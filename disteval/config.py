@@ -581,7 +581,9 @@ class EvalBase:
     With save_predictions=true a segmentation run writes its predicted maps as a COCO-style results file
     (image_id = sample id, category_id = class index). journal: durable progress (``JournalConfig``). resume: the
     run directory of an interrupted run whose recorded progress this run adds instead of evaluating it again,
-    at any world size (``disteval.rank.journal``); refused before any rank starts when it was another run."""
+    at any world size (``disteval.rank.journal``); refused before any rank starts when it was another run.
+    ``auto`` (default): a run directory given again resumes its newest unfinished earlier run (moved to
+    RUN_DIR/previous/) when the settings match; null: never."""
 
     mode: Mode = Mode.bitwise
     task: str = "auto"
@@ -602,7 +604,7 @@ class EvalBase:
     predictions: PredictionsConfig = field(default_factory=PredictionsConfig)
     ci: CIConfig = field(default_factory=CIConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
-    resume: Optional[str] = None
+    resume: Optional[str] = "auto"
 
     def validate(self) -> None:
         """Raises ConfigError naming the ``eval.*`` key."""

@@ -68,6 +68,33 @@ def test_killed_runs_resume_at_other_world_sizes_with_identical_metrics(tmp_path
     assert len(j["refused"]) == 2 and "digest" in j["refused"][1], j["refused"]
 
 
+def test_the_same_run_directory_given_again_resumes_its_unfinished_run(tmp_path):
+    """eval.resume=auto (the default): the earlier run's records are moved to RUN_DIR/previous/<time>-<pid>/ and,
+    when its settings match, resumed from; eval.resume=null or other settings evaluate everything."""
+    _, full = _run(tmp_path, "full", "dist.world_size=1")
+    want = load_results(full)["metrics"]
+    _run(tmp_path, "run", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@2:batch=3"}, ok=False)
+    proc, run = _run(tmp_path, "run", "dist.world_size=2")
+    (earlier,) = (run / "previous").iterdir()
+    assert "resuming the unfinished earlier run" in proc.stderr
+    _check_resumed(run, want, earlier)
+    # finished now: given again with eval.overwrite=true, nothing unfinished is left to resume
+    _run(tmp_path, "run", "dist.world_size=2", "eval.overwrite=true")
+    assert load_results(run)["journal"]["resumed_from"] is None
+    # other settings, and eval.resume=null: everything evaluated
+    _run(tmp_path, "other", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@2:batch=3"}, ok=False)
+    proc, other = _run(tmp_path, "other", "dist.world_size=1", "eval.journal.every_batches=3")
+    assert "had other settings (eval.journal" not in proc.stderr  # the journal's cadence is not a setting of the numbers
+    assert load_results(other)["journal"]["samples_resumed"] > 0
+    _run(tmp_path, "third", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@2:batch=3"}, ok=False)
+    proc, third = _run(tmp_path, "third", "dist.world_size=1", "data.batch_size=32")
+    assert "had other settings (data.batch_size)" in proc.stderr
+    assert load_results(third)["journal"]["samples_resumed"] == 0 and load_results(third)["metrics"] == want
+    _run(tmp_path, "fourth", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@2:batch=3"}, ok=False)
+    _, fourth = _run(tmp_path, "fourth", "dist.world_size=1", "eval.resume=null")
+    assert load_results(fourth)["journal"]["samples_resumed"] == 0 and load_results(fourth)["metrics"] == want
+
+
 def test_a_resume_of_another_run_is_refused_before_ranks_start(tmp_path):
     _, full = _run(tmp_path, "full", "dist.world_size=1")
     proc, run = _run(tmp_path, "other", "dist.world_size=1", "data.batch_size=32", f"eval.resume={full}", ok=False)

@@ -13,6 +13,8 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,6 +33,7 @@ from disteval.config import (DistevalConfig, composition_problem, conf_dir, job_
 from disteval.errors import (ConfigError, DiskFullError, DistevalError, RankFailedError, RendezvousError,
                              RunInterrupted, SweepExit)
 from disteval.job import rundir
+from disteval.job.journal import AUTO, resolve_auto
 from disteval.job.records import LaunchRecord
 from disteval.job.run_report import present_results, write_report
 from launchers.registry import launcher_for, rank_launcher, register_hydra_plugins
@@ -146,6 +149,7 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
         container = job_container(cfg)
         job = job_config(container)  # what the ranks receive: the validated, typed JobConfig
         notes: list[str] = []
+        _resolve_resume(container, job, run_dir, external)
         if external and heterogeneous_policy(job) == "pin":
             preflight_without_kernels(job, notes)  # the rank's CPU kernel set stays free until it is pinned
         else:
@@ -191,6 +195,18 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
     if (not external or RankEnv.from_env().rank == 0) and os.path.isfile(os.path.join(run_dir, "results.json")):
         present_results(run_dir, job)  # the ranks wrote their records; the driver presents them
     return 0, None
+
+
+def _resolve_resume(container: dict, job: Any, run_dir: str, external: bool) -> None:
+    """``eval.resume=auto``: the run directory's newest unfinished earlier run when its settings match
+    (``disteval.job.journal.resolve_auto``; said on the console), else nothing; under an external launcher
+    (each rank composed its own config) nothing."""
+    if job.eval.resume != AUTO:
+        return
+    path, note = (None, None) if external else resolve_auto(job, Path(run_dir) / rundir.PREVIOUS)
+    container["eval"]["resume"] = job.eval.resume = path
+    if note:
+        _err.print(f"disteval: {escape(note)}", soft_wrap=True, highlight=False)
 
 
 def _agent_stuck(exc: BaseException, run_dir: str, record) -> None:

@@ -31,6 +31,37 @@ NOT_IDENTITY = ("dist", "communication", "hydra", "eval.resume", "eval.journal",
                 "data.cache_verify", "experiment_name", "communication_profile", "preflight_notes")
 
 
+AUTO = "auto"
+
+
+def resume_dir(cfg: Any) -> str | None:
+    """The run directory ``eval.resume`` names, None for ``null`` and for an unresolved ``auto``."""
+    value = cfg.eval.resume
+    return None if value in (None, "", AUTO) else str(value)
+
+
+def resolve_auto(cfg: Any, previous: str | Path) -> tuple[str | None, str | None]:
+    """``eval.resume=auto`` (the default) for a run directory given again: the newest earlier run moved to
+    ``previous`` (``RUN_DIR/previous/``, ``disteval.job.rundir``) that recorded progress, when it did not finish
+    (no results.json). Returns ``(its path, a note)`` when its identity equals ``cfg``'s, ``(None, a note naming the
+    settings that differ)`` when not, ``(None, None)`` when there is none."""
+    earlier = sorted((p for p in Path(previous).glob("*/") if (p / MANIFEST).is_file()), key=lambda p: p.name)
+    if not earlier or (earlier[-1] / "results.json").exists():  # none, or the newest finished: nothing to resume
+        return None, None
+    last = earlier[-1]
+    try:
+        got = json.loads((last / MANIFEST).read_text()).get("identity") or {}
+    except (OSError, ValueError):
+        return None, f"the unfinished earlier run in {last} has an unreadable {MANIFEST}: not resumed"
+    want = identity(cfg)
+    differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if differ:
+        return None, (f"the unfinished earlier run in {last} had other settings ({', '.join(differ[:5])}): "
+                      "not resumed, evaluating everything")
+    return str(last), (f"resuming the unfinished earlier run in {last} (eval.resume=auto): only what it did not "
+                       "record is evaluated; eval.resume=null evaluates everything")
+
+
 def identity(cfg: Any) -> dict[str, Any]:
     """``{dotted key: value}`` of every setting a run's numbers depend on (all of the resolved config but
     ``NOT_IDENTITY``): two runs with equal identities evaluate the same samples into the same states."""
@@ -68,7 +99,7 @@ def journal_dir(run_dir: Path, rank: int) -> Path:
 
 def write_manifest(run_dir: Path, cfg: Any, num_samples: int) -> None:
     """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, resumed_from}, atomically."""
-    resume = cfg.eval.resume
+    resume = resume_dir(cfg)
     atomic_write_json(Path(run_dir) / MANIFEST, {
         "schema": SCHEMA, "identity": identity(cfg), "num_samples": int(num_samples),
         "resumed_from": str(Path(resume).resolve()) if resume else None})
@@ -91,7 +122,7 @@ def check_resume(cfg: Any, num_samples: int | None = None) -> list[Path]:
     recorded the same ``identity`` as ``cfg``. Raises ConfigError naming ``eval.resume`` and each setting that
     differs (old and new value), a missing directory or manifest, another sample count, or a cycle."""
     chain: list[Path] = []
-    at = Path(str(cfg.eval.resume)).expanduser()
+    at = Path(str(resume_dir(cfg))).expanduser()
     want = identity(cfg)
     while at is not None:
         if not at.is_dir():

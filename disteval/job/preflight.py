@@ -16,7 +16,7 @@ from disteval.errors import ConfigError, RendezvousError
 from disteval.models.builders import tp_split_problems, weights_plan
 from disteval.models.checkpoint_set import expand_checkpoints, with_checkpoint
 from disteval.faults import ENV as FAULTS_ENV, check_ranks as check_fault_ranks, parse as parse_faults
-from disteval.job.journal import check_resume, resume_problem
+from disteval.job.journal import check_resume, resume_dir, resume_problem
 from disteval.rank.sync import SyncPolicy, check_sync_policy, sync_policy_notes
 from disteval.tasks import resolve_task
 
@@ -118,7 +118,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
     if cfg.eval.exclude_outlier_ranks and task.rank_metric is None:
         raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "
                           "metric to find outlier ranks from (Task.rank_metric; classification's is top-1 accuracy)")
-    if cfg.eval.resume:  # the records are of this run, and the run can be resumed exactly
+    if resume_dir(cfg):  # the records are of this run, and the run can be resumed exactly
         meshed = any(v is not None for v in (cfg.dist.parallel.dp_replicate, cfg.dist.parallel.dp_shard,
                                              cfg.dist.parallel.tp))
         why = resume_problem(cfg, bool(task.streamed), meshed, bool(cfg.model.checkpoints))

@@ -39,7 +39,7 @@ from disteval.job.records import FULL_ERRNOS, boot_id, free_bytes
 LOCK = ".disteval.lock"
 PREVIOUS = "previous"
 RECORDS = ("results.json", "launch.json", "job.json", "ranks", ".hydra", "disteval.log", "doctor",
-           ".disteval-reserve", "predictions", "checkpoints", "report.html", "metrics.csv")
+           ".disteval-reserve", "predictions", "checkpoints", "report.html", "metrics.csv", "journal.json")
 # what a claim from inside the job function may move: Hydra has written this job's .hydra/ and log by then
 JOB_RECORDS = tuple(r for r in RECORDS if r not in (".hydra", "disteval.log"))
 # under an external launcher the ranks share the directory and a requeued job keeps its checkpoints in ranks/;

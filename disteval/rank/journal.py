@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from disteval.errors import ConfigError
-from disteval.job.journal import check_resume, journal_dir, resume_problem, write_manifest
+from disteval.job.journal import check_resume, journal_dir, resume_dir, resume_problem, write_manifest
 from disteval.metrics.window import Window
 from disteval.rank.loop import LoopHook, LoopProgress
 
@@ -92,7 +92,7 @@ class RankJournal:
         why = unsupported(cfg, plan, members)
         self.why_not = "eval.journal.enabled=false" if not cfg.eval.journal.enabled else why
         self.chain = []
-        if cfg.eval.resume:
+        if resume_dir(cfg):
             if why is not None:
                 raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
             self.chain = check_resume(cfg, plan.num_samples)
