@@ -23,7 +23,7 @@ from diagnostics.hardware import canary_effect
 from diagnostics.machine import Diagnosis, diagnose
 from launchers.registry import launcher_for
 
-from diagnostics.remedies import launcher_choice, merge_overrides, rerun_command, run_overrides, shell_line
+from diagnostics.remedies import launcher_choice, merge_overrides, rerun_command, run_overrides, shell_line, with_resume
 
 
 def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float = 2.0, timeout_s: float = 3600.0,
@@ -59,8 +59,9 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         if n > 1:  # the backoff doubles after each attempt
             log(f"waiting {backoff_s * 2 ** (n - 2):g} s before {run_dir.name}")
             time.sleep(backoff_s * 2 ** (n - 2))
-        argv = rerun_command(overrides, run_dir)
-        log(f"{run_dir.name}: {remedy.describe()} -> {' '.join(overrides)}"
+        given = with_resume(current.run, overrides)  # resumes what the run recorded (eval.resume=RUN_DIR)
+        argv = rerun_command(given, run_dir)
+        log(f"{run_dir.name}: {remedy.describe()} -> {' '.join(given)}"
             + (f" with {env}" if env else "") + (f" without {sorted(unset)}" if unset else ""))
         code, console = _run_attempt(argv, (base.launch or {}).get("cwd") or os.getcwd(),
                                      {k: v for k, v in {**os.environ, **env}.items() if k not in unset}, timeout_s)
@@ -73,7 +74,7 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
         fixed = code == 0 and current.verdict is None and run_dir.exists()
         warnings = [f"{f.state}/{f.check}: {f.finding}" for f in current.findings if f.status == "warn"]
         effect = measured_effect(base, current.run) if run_dir.exists() else {}
-        attempts.append({"run_dir": str(run_dir), "overrides": overrides, "env": dict(env), "unset": sorted(unset),
+        attempts.append({"run_dir": str(run_dir), "overrides": given, "env": dict(env), "unset": sorted(unset),
                          "exit_code": code,
                          "verdict": None if current.verdict is None else f"{current.verdict.state}/{current.verdict.check}",
                          "remedy": remedy.as_dict(), "failure": list(pair[0]), "fixed": fixed, "warnings": warnings,
@@ -168,8 +169,9 @@ def _refusal(diag: Diagnosis, tried: set) -> str | None:
                 "the same way: stopping")
     by_hand = _nodes_started_by_hand(diag.run)
     if by_hand:
-        line = shell_line(rerun_command(merge_overrides(run_overrides(diag.run), remedy.overrides)), remedy.env,
-                          remedy.unset)
+        line = shell_line(rerun_command(with_resume(diag.run, merge_overrides(run_overrides(diag.run),
+                                                                              remedy.overrides))),
+                          remedy.env, remedy.unset)
         return (f"not applying the remedy of {where} here: the run spanned nodes {', '.join(by_hand)}, each started "
                 f"by hand, and --apply reruns on this machine only; run on every node (with its own dist.node_rank "
                 f"where the run set one): {line}")

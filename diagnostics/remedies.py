@@ -9,6 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from disteval.job.journal import MANIFEST, NOT_IDENTITY
+
 
 @dataclass
 class Remedy:
@@ -92,6 +94,26 @@ def run_overrides(run) -> list[str]:
     if run.launch is None and run.world_size and run.cfg("dist.world_size") not in (None, run.world_size):
         base = merge_overrides(base, [f"dist.world_size={run.world_size}"])
     return base
+
+
+def with_resume(run, overrides: list[str]) -> list[str]:
+    """``overrides`` plus ``eval.resume=RUN_DIR`` when ``run`` (a ``Run``) recorded progress and did not finish
+    (``disteval.job.journal``) and none of ``overrides`` changes a setting its numbers depend on: the rerun then
+    evaluates only what the run did not record. ``overrides`` as they are otherwise (an explicit
+    ``eval.resume`` among them is kept)."""
+    path = Path(run.path)
+    if (path / "results.json").exists() or not (path / MANIFEST).is_file() or \
+            not any(path.glob("ranks/rank*/journal/*.pt")):
+        return overrides
+    keys = [override_key(o) for o in overrides]
+    if "eval.resume" in keys:
+        return overrides
+    before = run_overrides(run)
+    changed = {override_key(o) for o in overrides if o not in before}
+    if any(not any(k == x or k.startswith(x + ".") for x in NOT_IDENTITY) and not k.startswith("hydra")
+           for k in changed):
+        return overrides
+    return [*overrides, f"eval.resume={path}"]
 
 
 def rerun_command(overrides: list[str], run_dir: Path | None = None, env: dict[str, str] | None = None) -> list[str]:

@@ -43,7 +43,7 @@ from rich.table import Table
 
 from diagnostics.machine import Diagnosis
 from diagnostics.phases import describe
-from diagnostics.remedies import merge_overrides, rerun_command, run_overrides, shell_line
+from diagnostics.remedies import merge_overrides, rerun_command, run_overrides, shell_line, with_resume
 
 SCHEMA_VERSION = 2
 MARKS = {"pass": "[green]✔[/]", "warn": "[yellow]![/]", "fail": "[bold red]✘[/]", "unknown": "[bold yellow]?[/]",
@@ -55,7 +55,7 @@ def remedy_command(diag: Diagnosis) -> str | None:
     remedy = diag.remedy
     if remedy is None or not (remedy.changes_anything or remedy.changes_cause):
         return None
-    argv = rerun_command(merge_overrides(run_overrides(diag.run), remedy.overrides))
+    argv = rerun_command(with_resume(diag.run, merge_overrides(run_overrides(diag.run), remedy.overrides)))
     return shell_line(argv, remedy.env, remedy.unset)
 
 

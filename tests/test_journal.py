@@ -6,11 +6,13 @@ fast mode: each run's metrics ``==`` an uninterrupted run's (fast mode: counts e
 every sample counted once (results.json coverage) and the split between recorded and evaluated samples
 reported. A resume with another setting, or of a run that cannot be resumed exactly, is refused before any
 rank starts, naming the setting."""
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +95,23 @@ def test_the_same_run_directory_given_again_resumes_its_unfinished_run(tmp_path)
     _run(tmp_path, "fourth", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@2:batch=3"}, ok=False)
     _, fourth = _run(tmp_path, "fourth", "dist.world_size=1", "eval.resume=null")
     assert load_results(fourth)["journal"]["samples_resumed"] == 0 and load_results(fourth)["metrics"] == want
+
+
+def test_the_doctor_s_remedy_resumes_and_apply_runs_it(tmp_path):
+    """A failed run that recorded progress: the doctor's command carries eval.resume=RUN_DIR, and --apply's rerun
+    evaluates only what the run did not record, with metrics == an uninterrupted run's."""
+    _, full = _run(tmp_path, "full", "dist.world_size=1")
+    _run(tmp_path, "killed", "dist.world_size=4", env={"DISTEVAL_FAULTS": "kill@1:batch=5"}, ok=False)
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-m", "diagnostics", "doctor", str(killed), "--apply", "--json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "DISTEVAL_FAULTS"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (entry,) = json.loads(proc.stdout)["runs"]
+    assert entry["remedy"]["command"].endswith(f"eval.resume={killed}")
+    (attempt,) = entry["attempts"]
+    assert attempt["fixed"] and attempt["overrides"][-1] == f"eval.resume={killed}"
+    _check_resumed(Path(attempt["run_dir"]), load_results(full)["metrics"], killed)
 
 
 def test_a_resume_of_another_run_is_refused_before_ranks_start(tmp_path):
