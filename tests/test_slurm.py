@@ -28,10 +28,10 @@ def slurm():
         pytest.skip(reason)
 
 
-def _disteval(*args, cwd, timeout=600, wait=True, multirun=True):
+def _disteval(*args, cwd, timeout=600, wait=True, multirun=True, env=None):
     cmd = [sys.executable, "-m", "disteval", *(["-m"] if multirun else []), "hydra/launcher=submitit_slurm",
            "hydra.launcher.timeout_min=10", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160", **(env or {}))
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -211,6 +211,36 @@ def test_requeue_resumes_from_checkpoints_with_identical_metrics(slurm, tmp_path
     assert local_proc.returncode == 0
     assert load_results(tmp_path / "sweep" / "0")["metrics"] == load_results(local_dir)["metrics"]
     assert not list((tmp_path / "sweep" / "0" / "ranks").glob("rank*/checkpoint.pt"))  # removed when done
+
+
+def test_a_requeue_without_the_signal_resumes_from_the_journal(slurm, tmp_path, cli):
+    """``scontrol requeue`` mid-shard (as SLURM does after a node failure, or a time limit without the checkpoint
+    signal): the job is killed and started again with the same job id, no checkpoint was written, and the ranks
+    resume from their own journal (eval.resume=auto): only what they did not record is evaluated, and the
+    metrics equal an uninterrupted local run's exactly."""
+    args = ("+experiment=fashion_mnist", "data.batch_size=4", "dist.world_size=2", "data.limit=5000",
+            "eval.journal.every_batches=10")
+    # every rank sleeps 20 s after its 25th batch (2 windows recorded): the requeue lands there (submitit's job
+    # lets SLURM's SIGTERM pass, SIGKILL follows after KillWait=5 s); the requeued attempt sleeps once more
+    driver = _disteval(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, wait=False,
+                       env={"DISTEVAL_FAULTS": "delay@*:batch=25,seconds=20"})
+    run = tmp_path / "sweep" / "0"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(run.glob("ranks/rank1/journal/*.pt"))) < 2:
+        time.sleep(0.2)
+    if time.time() >= deadline:
+        driver.kill()
+        pytest.fail("the job never recorded its progress")
+    subprocess.run(["scontrol", "requeue", _job_id(tmp_path / "sweep")], check=True)
+    out, err = driver.communicate(timeout=480)
+    assert driver.returncode == 0, (out + err)[-3000:]
+    res = load_results(run)
+    journal = res["journal"]
+    assert journal["resumed_from"] == str(run.resolve()) and journal["samples_resumed"] >= 2 * 2 * 10 * 4, journal
+    assert journal["samples_resumed"] + journal["samples_evaluated"] == 5000 and res["coverage"]["ok"]
+    local_proc, local_dir = cli(*args)
+    assert local_proc.returncode == 0
+    assert res["metrics"] == load_results(local_dir)["metrics"]
 
 
 def test_the_driver_says_why_its_job_pends(slurm, tmp_path):

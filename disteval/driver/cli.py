@@ -200,10 +200,10 @@ def _run(cfg: DictConfig, run_dir: str, external: bool, record) -> tuple[int, Ba
 def _resolve_resume(container: dict, job: Any, run_dir: str, external: bool) -> None:
     """``eval.resume=auto``: the run directory's newest unfinished earlier run when its settings match
     (``disteval.job.journal.resolve_auto``; said on the console), else nothing; under an external launcher
-    (each rank composed its own config) nothing."""
-    if job.eval.resume != AUTO:
+    (each rank composed its own config) left to the ranks (``disteval.job.journal.requeue_chain``)."""
+    if job.eval.resume != AUTO or external:  # each rank of an external launch: its requeued job's own records
         return
-    path, note = (None, None) if external else resolve_auto(job, Path(run_dir) / rundir.PREVIOUS)
+    path, note = resolve_auto(job, Path(run_dir) / rundir.PREVIOUS)
     container["eval"]["resume"] = job.eval.resume = path
     if note:
         _err.print(f"disteval: {escape(note)}", soft_wrap=True, highlight=False)

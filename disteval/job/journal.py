@@ -97,12 +97,28 @@ def journal_dir(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "ranks" / f"rank{rank}" / "journal"
 
 
-def write_manifest(run_dir: Path, cfg: Any, num_samples: int) -> None:
-    """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, resumed_from}, atomically."""
-    resume = resume_dir(cfg)
+def write_manifest(run_dir: Path, cfg: Any, num_samples: int, job_id: str | None, resumed_from: Path | None) -> None:
+    """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, job (the scheduler's job id, kept by a
+    requeued job), resumed_from}, atomically."""
     atomic_write_json(Path(run_dir) / MANIFEST, {
-        "schema": SCHEMA, "identity": identity(cfg), "num_samples": int(num_samples),
-        "resumed_from": str(Path(resume).resolve()) if resume else None})
+        "schema": SCHEMA, "identity": identity(cfg), "num_samples": int(num_samples), "job": job_id or None,
+        "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None})
+
+
+def requeue_chain(run_dir: Path, cfg: Any, job_id: str | None, num_samples: int) -> list[Path]:
+    """``eval.resume=auto`` in a job the scheduler requeued (the same job id: SLURM ``scontrol requeue``, a node
+    failure, a time limit without the checkpoint signal): the run directory itself and the runs it resumed from,
+    when its ``journal.json`` is of this job with the same identity; else [] (a new job starts afresh)."""
+    path = Path(run_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not job_id or manifest.get("job") != job_id or manifest.get("identity") != identity(cfg) or \
+            int(manifest.get("num_samples", -1)) != int(num_samples):
+        return []
+    earlier = manifest.get("resumed_from")
+    return [Path(run_dir).resolve(), *(_chain(Path(earlier), cfg, num_samples) if earlier else [])]
 
 
 def _manifest(run_dir: Path) -> dict:
@@ -121,8 +137,11 @@ def check_resume(cfg: Any, num_samples: int | None = None) -> list[Path]:
     records ``eval.resume`` will use (the one named and those it resumed from), after checking that each
     recorded the same ``identity`` as ``cfg``. Raises ConfigError naming ``eval.resume`` and each setting that
     differs (old and new value), a missing directory or manifest, another sample count, or a cycle."""
+    return _chain(Path(str(resume_dir(cfg))).expanduser(), cfg, num_samples)
+
+
+def _chain(at: Path | None, cfg: Any, num_samples: int | None) -> list[Path]:
     chain: list[Path] = []
-    at = Path(str(resume_dir(cfg))).expanduser()
     want = identity(cfg)
     while at is not None:
         if not at.is_dir():

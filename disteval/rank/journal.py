@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from disteval.errors import ConfigError
-from disteval.job.journal import check_resume, journal_dir, resume_dir, resume_problem, write_manifest
+from disteval.common import launch_env
+from disteval.job.journal import (AUTO, check_resume, journal_dir, requeue_chain, resume_dir, resume_problem,
+                                     write_manifest)
 from disteval.metrics.window import Window
 from disteval.rank.loop import LoopHook, LoopProgress
 
@@ -91,13 +93,17 @@ class RankJournal:
         cfg, self.ctx, self.plan = ctx.cfg, ctx, plan
         why = unsupported(cfg, plan, members)
         self.why_not = "eval.journal.enabled=false" if not cfg.eval.journal.enabled else why
-        self.chain = []
+        self.chain: list[Path] = []
         if resume_dir(cfg):
             if why is not None:
                 raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
             self.chain = check_resume(cfg, plan.num_samples)
+        elif cfg.eval.resume == AUTO and why is None:  # a requeued job: its own records (the driver resolved others)
+            self.chain = requeue_chain(ctx.run_dir, cfg, launch_env.job_id(), plan.num_samples)
         if self.why_not is None and ctx.rank == 0:
-            write_manifest(ctx.run_dir, cfg, plan.num_samples)
+            here = Path(ctx.run_dir).resolve()
+            write_manifest(ctx.run_dir, cfg, plan.num_samples, launch_env.job_id(),
+                           next((p for p in self.chain if p != here), None))
         self.hook: JournalHook | None = None
         self.problems: list[str] = []
         self.replayed = {"windows": 0, "samples": 0}
