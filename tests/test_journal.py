@@ -152,6 +152,45 @@ def test_a_killed_driver_and_a_full_disk(tmp_path):
     _check_resumed(run, want, disk)
 
 
+def _start(run, *overrides, faults: str):
+    env = dict(os.environ, DISTEVAL_FAULTS=faults, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "disteval", f"hydra.run.dir={run}", *Q, *overrides], env=env,
+                            cwd=run.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _when_recorded(run, windows: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while len(list(run.glob("ranks/rank*/journal/*.pt"))) < windows:
+        assert time.time() < deadline, f"{run}: fewer than {windows} windows recorded in {timeout} s"
+        time.sleep(0.2)
+
+
+def test_interrupted_frozen_and_preempted_runs_resume(tmp_path):
+    """SIGTERM and SIGINT to the driver mid-loop, a rank frozen (SIGSTOP) until the others give up on it, and the
+    checkpoint signal where no launcher requeues (its default action ends the ranks): each resumed at another
+    world size, == an uninterrupted run."""
+    _, full = _run(tmp_path, "full", "dist.world_size=1")
+    want = load_results(full)["metrics"]
+    for sig, w in ((signal.SIGTERM, 1), (signal.SIGINT, 3)):
+        run = tmp_path / f"driver_{sig.name}"
+        proc = _start(run, "dist.world_size=2", faults="delay@*:batch=3,seconds=30")
+        _when_recorded(run, 2)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig  # as shells report a death by the signal
+        _, resumed = _run(tmp_path, f"resumed_{sig.name}", f"dist.world_size={w}", f"eval.resume={run}")
+        _check_resumed(resumed, want, run)
+    proc, frozen = _run(tmp_path, "frozen", "dist.world_size=2", "communication.timeout_s=4",
+                        env={"DISTEVAL_FAULTS": "stop@1:batch=5"}, ok=False)
+    assert proc.returncode == 1 and "rank 1 stopped making progress" in proc.stderr
+    _, resumed = _run(tmp_path, "resumed_frozen", "dist.world_size=3", f"eval.resume={frozen}")
+    _check_resumed(resumed, want, frozen)
+    proc, preempted = _run(tmp_path, "preempted", "dist.world_size=2", env={"DISTEVAL_FAULTS": "preempt@*:batch=5"},
+                           ok=False)
+    assert proc.returncode != 0 and not (preempted / "results.json").exists()
+    _, resumed = _run(tmp_path, "resumed_preempted", "dist.world_size=1", f"eval.resume={preempted}")
+    _check_resumed(resumed, want, preempted)
+
+
 def test_fast_mode_resume_counts_exact_floats_within_rounding(tmp_path):
     _, full = _run(tmp_path, "full", "dist.world_size=1", "eval.mode=fast")
     want = load_results(full)["metrics"]
