@@ -443,8 +443,8 @@ class JournalConfig:
     evaluated as it goes, so that ``eval.resume=RUN_DIR`` can finish an interrupted run at any world size;
     every_batches / every_s: a rank records after this many batches or seconds, whichever comes first (at most
     that much work of a rank is evaluated again after it dies). Runs the journal cannot resume exactly (several
-    trials, streamed shards, a device mesh, a checkpoint set, a sampler that pads or drops, a prediction store or
-    per-sample intervals) record nothing; results.json ``journal`` says why."""
+    trials, streamed shards, a device mesh, a sampler that pads or drops, a prediction store)
+    record nothing; results.json ``journal`` says why. The intervals' per-sample rows (``eval.ci``) are recorded."""
 
     enabled: bool = True
     every_batches: int = 50

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from conftest import load_results, run_disteval
+from disteval.testing.checkpoints import perturbed_checkpoints
 
 N = 540
+DIGITS_CNN = Path(__file__).resolve().parent.parent / "disteval" / "models" / "checkpoints" / "digits_cnn.pt"
 Q = ("eval.progress=false", "data.batch_size=16", "eval.journal.every_batches=2", "eval.ci.resamples=0")
 
 
@@ -189,6 +191,38 @@ def test_interrupted_frozen_and_preempted_runs_resume(tmp_path):
     assert proc.returncode != 0 and not (preempted / "results.json").exists()
     _, resumed = _run(tmp_path, "resumed_preempted", "dist.world_size=1", f"eval.resume={preempted}")
     _check_resumed(resumed, want, preempted)
+
+
+def test_bootstrap_intervals_of_a_resumed_run_are_identical(tmp_path):
+    """eval.ci: the per-sample rows the bootstrap resamples travel in the windows, in sample order, so the
+    intervals of a run killed at W = 3 and resumed at W = 2 == an uninterrupted run's."""
+    ci = ("eval.ci.resamples=100", "eval.ci.seed=3")
+    _, full = _run(tmp_path, "full", "dist.world_size=1", *ci)
+    want = load_results(full)
+    _run(tmp_path, "killed", "dist.world_size=3", *ci, env={"DISTEVAL_FAULTS": "kill@1:batch=4"}, ok=False)
+    _, run = _run(tmp_path, "resumed", "dist.world_size=2", *ci, f"eval.resume={tmp_path / 'killed'}")
+    _check_resumed(run, want["metrics"], tmp_path / "killed")
+
+    def drop_seconds(intervals: dict) -> dict:
+        return {k: v for k, v in intervals.items() if k != "seconds"}
+    got = load_results(run)["confidence_intervals"]
+    assert got and drop_seconds(got) == drop_seconds(want["confidence_intervals"])
+
+
+def test_a_checkpoint_set_resumes_every_checkpoint(tmp_path):
+    """model.checkpoints: every checkpoint's states and per-sample rows travel in the same windows; each
+    checkpoint's results.json (metrics and intervals) of a resumed run == the uninterrupted run's."""
+    ckpts = perturbed_checkpoints(DIGITS_CNN, tmp_path / "ckpts", (0.0, 0.3), "step")
+    job = (f"model.checkpoints={ckpts[0].parent / 'step_*.pt'}", "eval.ci.resamples=100")
+    _, full = _run(tmp_path, "full", "dist.world_size=1", *job)
+    _run(tmp_path, "killed", "dist.world_size=3", *job, env={"DISTEVAL_FAULTS": "kill@2:batch=4"}, ok=False)
+    _, run = _run(tmp_path, "resumed", "dist.world_size=2", *job, f"eval.resume={tmp_path / 'killed'}")
+    _check_resumed(run, load_results(full)["metrics"], tmp_path / "killed")
+    for c in ckpts:
+        want, got = (load_results(r / "checkpoints" / c.stem) for r in (full, run))
+        assert got["metrics"] == want["metrics"], c.stem
+        assert {k: v for k, v in got["confidence_intervals"].items() if k != "seconds"} == \
+            {k: v for k, v in want["confidence_intervals"].items() if k != "seconds"}, c.stem
 
 
 def test_fast_mode_resume_counts_exact_floats_within_rounding(tmp_path):

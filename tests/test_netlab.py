@@ -570,13 +570,15 @@ def test_partition_during_the_final_sync(lab, where):
 
 
 @pytest.mark.parametrize("action", ["freeze", "kill", "kill-local"])
-def test_node_frozen_or_killed_mid_forward(lab, action):
+def test_node_frozen_or_killed_mid_forward(lab, reference, action):
     """Every rank is held after its first batch (a delay drill); meanwhile n2 is frozen (SIGSTOP to every
     process in it) or killed (SIGKILL). n1's driver ends within about one timeout naming a rank of n2; the
     doctor blames that rank and says what happened: frozen (its heartbeat stopped: no timeout helps) or the
     node died (its launcher and its ranks stopped at once; with node-local run directories, ``kill-local``, from
     n2's ranks' records relayed through the store, its launcher's record being on n2's disk); after a thaw
-    nothing of the run survives."""
+    nothing of the run survives. The run recorded its progress after every batch (eval.journal): resumed on
+    this machine at W = 3 from the run directory (n1's own disk for ``kill-local``: n2's records are not there,
+    their batches are evaluated again), its metrics == the one-process run's."""
     local = action == "kill-local"
 
     def strike(run_dir):
@@ -586,7 +588,7 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
         (lab.freeze if action == "freeze" else lab.kill)("n2")
 
     procs, took, run_dir = _run_with_fault(lab, f"node_{action.replace('-', '_')}", "delay@*:batch=1,seconds=6",
-                                           strike, node_local=local)
+                                           strike, "eval.journal.every_batches=1", node_local=local)
     assert took < 60, took
     assert procs["n1"].returncode == 1, procs["n1"].stderr[-3000:]
     said = " ".join(procs["n1"].stderr.split())
@@ -602,6 +604,12 @@ def test_node_frozen_or_killed_mid_forward(lab, action):
         assert ("relayed through the rendezvous store" in finding) == local, finding
     assert report["remedy"]["changes_cause"] is False
     _nothing_left(lab)
+    resumed = run_dir.parent / f"{run_dir.name}_resumed"
+    proc = run_disteval("dist.world_size=3", "eval.journal.every_batches=1", f"eval.resume={run_dir}", run_dir=resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = load_results(resumed)
+    assert res["metrics"] == reference[0]["metrics"] and res["coverage"]["ok"]
+    assert res["journal"]["samples_resumed"] > 0, res["journal"]
 
 
 def test_command_line_up_exec_status_down():

@@ -24,7 +24,7 @@ MANIFEST = "journal.json"
 SCHEMA = 1
 # settings that do not change any number of a run (how and where it runs): left out of the identity
 NOT_IDENTITY = ("dist", "communication", "hydra", "eval.resume", "eval.journal", "eval.progress",
-                "eval.status_interval_s", "eval.overwrite", "eval.save_predictions", "eval.predictions", "eval.ci",
+                "eval.status_interval_s", "eval.overwrite", "eval.save_predictions", "eval.predictions",
                 "eval.trials", "eval.trial_aggregate", "eval.clip_sigma", "eval.outlier_z",
                 "eval.exclude_outlier_ranks", "data.num_workers", "data.prefetch_factor",
                 "data.persistent_workers", "data.loader_timeout_s", "data.cache", "data.cache_dir",
@@ -78,17 +78,14 @@ def identity(cfg: Any) -> dict[str, Any]:
     return flat
 
 
-def resume_problem(cfg: Any, streamed: bool, meshed: bool, members: bool) -> str | None:
+def resume_problem(cfg: Any, streamed: bool, meshed: bool) -> str | None:
     """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``streamed``: tar shards planned per rank; ``meshed``: a ``dist.parallel`` device mesh; ``members``: a
-    ``model.checkpoints`` job."""
+    ``streamed``: tar shards planned per rank; ``meshed``: a ``dist.parallel`` device mesh."""
     sampler = str(cfg.data.sampler)
     reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
                (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
                (streamed, "streamed shards (data.urls)"), (meshed, "a dist.parallel device mesh"),
-               (members, "model.checkpoints (a checkpoint set)"),
-               (bool(cfg.eval.save_predictions), "eval.save_predictions (the prediction store is not recorded)"),
-               (int(cfg.eval.ci.resamples) > 0, "eval.ci.resamples > 0 (per-sample rows are not recorded)")]
+               (bool(cfg.eval.save_predictions), "eval.save_predictions (the prediction store is not recorded)")]
     return next((why for bad, why in reasons if bad), None)
 
 

@@ -121,7 +121,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
     if resume_dir(cfg):  # the records are of this run, and the run can be resumed exactly
         meshed = any(v is not None for v in (cfg.dist.parallel.dp_replicate, cfg.dist.parallel.dp_shard,
                                              cfg.dist.parallel.tp))
-        why = resume_problem(cfg, bool(task.streamed), meshed, bool(cfg.model.checkpoints))
+        why = resume_problem(cfg, bool(task.streamed), meshed)
         if why is not None:
             raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
         check_resume(cfg)

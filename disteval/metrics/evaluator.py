@@ -49,6 +49,10 @@ class Evaluator:
         self._leaves: list[tuple[int, torch.Tensor]] = []
         self._replay: list[Window] = []
         self.closed: list[Window] = []  # windows closed because a recorded one was added after them
+        # other per-sample keepers whose rows windows carry: {name: source with mark() -> m, since(m) -> tensor,
+        # add(tensor)}, rows appended per batch after the evaluator's (the intervals' SampleStatsHook)
+        self.sources: dict[str, Any] = {}
+        self._source_marks: dict[str, Any] = {}
         self.replayed = {"windows": 0, "samples": 0}
 
     def process(self, batch_index: int, outputs: Any, targets: torch.Tensor, sample_ids: torch.Tensor) -> None:
@@ -77,6 +81,7 @@ class Evaluator:
             self._mark = self.metric.mark()
         self._mark_at = (len(self._spans), len(self._digests))
         self._leaves = []
+        self._source_marks = {name: src.mark() for name, src in self.sources.items()}
 
     def take_window(self) -> Window | None:
         """Close the open window (the batches processed since the last one) and return it, None when it holds
@@ -96,7 +101,8 @@ class Evaluator:
             leaf_values=torch.stack([v.detach().cpu() for _, v in leaves]) if leaves else
             torch.zeros(0, width, dtype=torch.float64),
             digests=torch.cat([d.cpu() for d in self._digests[self._mark_at[1]:]]) if self.record_batches and
-            len(self._digests) > self._mark_at[1] else torch.zeros(0, dtype=torch.int64))
+            len(self._digests) > self._mark_at[1] else torch.zeros(0, dtype=torch.int64),
+            extras={name: src.since(self._source_marks[name]) for name, src in self.sources.items()})
         self._mark = None
         return window
 
@@ -109,7 +115,14 @@ class Evaluator:
             if b.start < a.end:
                 raise ValueError(f"recorded windows [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap")
         width = self.tree.width if self.tree is not None else 0
+        names = set(self.metric.specs())
         for w in windows:
+            if set(w.states) != names:
+                raise ValueError(f"window [{w.start}, {w.end}) holds the states {sorted(set(w.states) ^ names)} "
+                                 "this metric does not, or lacks them (another metric set)")
+            missing = sorted(set(self.sources) - set(w.extras))
+            if missing:
+                raise ValueError(f"window [{w.start}, {w.end}) holds no rows of {missing}")
             if w.leaf_values.numel() and w.leaf_values.shape[1] != width:
                 raise ValueError(f"window [{w.start}, {w.end}): float partials of width {w.leaf_values.shape[1]}, "
                                  f"this metric has {width}")
@@ -137,6 +150,8 @@ class Evaluator:
                         self._partials.append(v)
             if self.record_batches:
                 self._digests.append(w.digests)
+            for name, src in self.sources.items():
+                src.add(w.extras[name])
             self.replayed["windows"] += 1
             self.replayed["samples"] += w.samples
 

@@ -13,7 +13,7 @@ Pure: no files (``to_tensors``/``from_tensors`` for ``torch.save`` with ``weight
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +25,9 @@ class Window:
     spans: int64 [b, 3] ``(global batch, first sample id, size)`` per batch, in order; runs: int64 [k, 2]
     ``[start, end)`` of the ids covered; states: ``{state: tensor}`` (``Metric.contribution``); leaf_batches
     int64 [m] and leaf_values float64 [m, width]: the float partials of bitwise mode (m = 0 in fast mode or
-    without float states); digests int64 [n]: per-sample output digests (empty unless recorded)."""
+    without float states); digests int64 [n]: per-sample output digests (empty unless recorded); extras:
+    ``{source: rows}`` that other per-sample keepers of the rank added over these batches (``Evaluator.sources``:
+    the bootstrap intervals' per-sample rows)."""
 
     start: int
     end: int
@@ -35,6 +37,7 @@ class Window:
     leaf_batches: torch.Tensor
     leaf_values: torch.Tensor
     digests: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -46,7 +49,7 @@ class Window:
         BLAKE2b ``digest`` of everything else, checked by ``from_tensors``."""
         body = {"start": int(self.start), "end": int(self.end), "spans": self.spans, "runs": self.runs,
                 "states": dict(self.states), "leaf_batches": self.leaf_batches, "leaf_values": self.leaf_values,
-                "digests": self.digests}
+                "digests": self.digests, "extras": dict(self.extras)}
         return {**body, "digest": _digest(body)}
 
     @classmethod
@@ -55,7 +58,7 @@ class Window:
         altered record: its batches must be evaluated again, never trusted) or a field is missing."""
         try:
             body = {k: data[k] for k in ("start", "end", "spans", "runs", "states", "leaf_batches",
-                                         "leaf_values", "digests")}
+                                         "leaf_values", "digests", "extras")}
             want = int(data["digest"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a window record: {exc!r}") from None
@@ -69,7 +72,8 @@ def _digest(body: dict) -> int:
     h.update(f"{body['start']}:{body['end']}".encode())
     tensors = [("spans", body["spans"]), ("runs", body["runs"]), ("leaf_batches", body["leaf_batches"]),
                ("leaf_values", body["leaf_values"]), ("digests", body["digests"]),
-               *sorted((f"state:{k}", v) for k, v in body["states"].items())]
+               *sorted((f"state:{k}", v) for k, v in body["states"].items()),
+               *sorted((f"extra:{k}", v) for k, v in body["extras"].items())]
     for name, t in tensors:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())

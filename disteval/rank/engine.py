@@ -99,7 +99,7 @@ class RankRun:
         self.canary: dict | None = None
         self.store = store_hook(ctx, self.task, self.members)
         self.intervals = Intervals(ctx, self.task, self.members)
-        self.journal = RankJournal(ctx, self.plan, bool(self.members))  # durable progress, eval.resume
+        self.journal = RankJournal(ctx, self.plan)  # durable progress, eval.resume
 
     def _build_model(self) -> torch.nn.Module | None:
         """The task's network (on a device mesh when ``dist.parallel`` is set), or a ``ModelSet`` of one
@@ -202,6 +202,10 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
+        stats = self.intervals.stats
+        if stats is not None and not self.outcomes:  # eval.ci's per-sample rows travel in the journal's windows
+            ev.sources.update({f"sample_stats:{n}": h for n, h in stats.hooks.items()} if self.members
+                              else {"sample_stats": stats})
         # eval.resume: the recorded windows of this shard are added, only the other batches evaluated
         batches, recorded = self.journal.prepare(ev) if not (skip or self.outcomes) else (None, 0)
         journal = [self.journal.hook_for(ev)] if not self.outcomes and self.journal.why_not is None else []

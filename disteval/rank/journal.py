@@ -33,10 +33,10 @@ from disteval.rank.loop import LoopHook, LoopProgress
 log = logging.getLogger("disteval.rank")
 
 
-def unsupported(cfg: Any, plan: Any, members: bool) -> str | None:
+def unsupported(cfg: Any, plan: Any) -> str | None:
     """Why this run cannot record its progress for an exact resume (``disteval.job.journal.resume_problem``),
-    None when it can. ``plan``: the rank's ``RunPlan``; ``members``: a ``model.checkpoints`` job."""
-    return resume_problem(cfg, plan.streamed, plan.meshed, members)
+    None when it can. ``plan``: the rank's ``RunPlan``."""
+    return resume_problem(cfg, plan.streamed, plan.meshed)
 
 
 def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
@@ -86,12 +86,12 @@ def uncovered_batches(start: int, end: int, batch_size: int, windows: list[Windo
 class RankJournal:
     """A rank's journal: whether it records (``eval.journal`` and ``unsupported``), the windows it resumes from
     (``eval.resume``) and what it did, for its row of results.json. ``ctx``: the rank's context; ``plan``: its
-    ``RunPlan``; ``members``: a ``model.checkpoints`` job. Raises ConfigError naming ``eval.resume`` for a resume
+    ``RunPlan``. Raises ConfigError naming ``eval.resume`` for a resume
     of a run that cannot be resumed exactly or whose records are of another run (``check_resume``)."""
 
-    def __init__(self, ctx: Any, plan: Any, members: bool):
+    def __init__(self, ctx: Any, plan: Any):
         cfg, self.ctx, self.plan = ctx.cfg, ctx, plan
-        why = unsupported(cfg, plan, members)
+        why = unsupported(cfg, plan)
         self.why_not = "eval.journal.enabled=false" if not cfg.eval.journal.enabled else why
         self.chain: list[Path] = []
         if resume_dir(cfg):
@@ -117,7 +117,10 @@ class RankJournal:
         windows, self.problems = recorded_windows(self.chain, start, end)
         for problem in self.problems:
             log.warning("eval.resume: not using %s; its batches are evaluated again", problem)
-        ev.schedule(windows)
+        try:
+            ev.schedule(windows)
+        except ValueError as exc:
+            raise ConfigError("eval.resume", f"the records in {self.chain[0]} do not fit this run: {exc}") from None
         self.replayed = ev.replayed
         return uncovered_batches(start, end, self.plan.batch_size, windows), sum(w.samples for w in windows)
 

@@ -76,6 +76,20 @@ class SampleStatsHook(LoopHook):
     def rows(self) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros((0, self.cols.width)))
 
+    # a source of ``Evaluator.sources``: the rows of a journal window (disteval.rank.journal)
+    def mark(self) -> int:
+        """Where the rows stand (the number of batch parts)."""
+        return len(self.parts)
+
+    def since(self, mark: int) -> torch.Tensor:
+        """The rows added after ``mark``, float64 [n, cols.width]."""
+        parts = self.parts[mark:]
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0, self.cols.width)))
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Append recorded rows (a window's) after the rows so far."""
+        self.parts.append(rows.numpy())
+
 
 def weights_digest(model: torch.nn.Module | None) -> str | None:
     """sha256 over the model's state dict (names, dtypes, shapes and bytes, in order): the model's identity."""
