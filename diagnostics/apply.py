@@ -60,10 +60,9 @@ def apply_remedies(diag: Diagnosis, *, max_attempts: int = 3, backoff_s: float =
             log(f"waiting {backoff_s * 2 ** (n - 2):g} s before {run_dir.name}")
             time.sleep(backoff_s * 2 ** (n - 2))
         given = with_resume(current.run, overrides)  # resumes what the run recorded (eval.resume=RUN_DIR)
-        argv = rerun_command(given, run_dir)
         log(f"{run_dir.name}: {remedy.describe()} -> {' '.join(given)}"
             + (f" with {env}" if env else "") + (f" without {sorted(unset)}" if unset else ""))
-        code, console = _run_attempt(argv, (base.launch or {}).get("cwd") or os.getcwd(),
+        code, console = _run_attempt(rerun_command(given, run_dir), (base.launch or {}).get("cwd") or os.getcwd(),
                                      {k: v for k, v in {**os.environ, **env}.items() if k not in unset}, timeout_s)
         if run_dir.exists():
             (run_dir / "console.log").write_text(console)

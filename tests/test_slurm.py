@@ -218,12 +218,12 @@ def test_a_requeue_without_the_signal_resumes_from_the_journal(slurm, tmp_path, 
     signal): the job is killed and started again with the same job id, no checkpoint was written, and the ranks
     resume from their own journal (eval.resume=auto): only what they did not record is evaluated, and the
     metrics equal an uninterrupted local run's exactly."""
-    args = ("+experiment=fashion_mnist", "data.batch_size=4", "dist.world_size=2", "data.limit=5000",
+    args = ("+experiment=fashion_mnist", "data.batch_size=4", "dist.world_size=2", "data.limit=2000",
             "eval.journal.every_batches=10")
-    # every rank sleeps 20 s after its 25th batch (2 windows recorded): the requeue lands there (submitit's job
+    # every rank sleeps 12 s after its 25th batch (2 windows recorded): the requeue lands there (submitit's job
     # lets SLURM's SIGTERM pass, SIGKILL follows after KillWait=5 s); the requeued attempt sleeps once more
     driver = _disteval(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, wait=False,
-                       env={"DISTEVAL_FAULTS": "delay@*:batch=25,seconds=20"})
+                       env={"DISTEVAL_FAULTS": "delay@*:batch=25,seconds=12"})
     run = tmp_path / "sweep" / "0"
     deadline = time.time() + 240
     while time.time() < deadline and len(list(run.glob("ranks/rank1/journal/*.pt"))) < 2:
@@ -237,7 +237,7 @@ def test_a_requeue_without_the_signal_resumes_from_the_journal(slurm, tmp_path, 
     res = load_results(run)
     journal = res["journal"]
     assert journal["resumed_from"] == str(run.resolve()) and journal["samples_resumed"] >= 2 * 2 * 10 * 4, journal
-    assert journal["samples_resumed"] + journal["samples_evaluated"] == 5000 and res["coverage"]["ok"]
+    assert journal["samples_resumed"] + journal["samples_evaluated"] == 2000 and res["coverage"]["ok"]
     local_proc, local_dir = cli(*args)
     assert local_proc.returncode == 0
     assert res["metrics"] == load_results(local_dir)["metrics"]

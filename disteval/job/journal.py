@@ -103,7 +103,7 @@ def write_manifest(run_dir: Path, cfg: Any, num_samples: int, job_id: str | None
 
 
 def requeue_chain(run_dir: Path, cfg: Any, job_id: str | None, num_samples: int) -> list[Path]:
-    """``eval.resume=auto`` in a job the scheduler requeued (the same job id: SLURM ``scontrol requeue``, a node
+    """``eval.resume=auto`` in a job the scheduler requeued (the same job id: a requeue by hand, after a node
     failure, a time limit without the checkpoint signal): the run directory itself and the runs it resumed from,
     when its ``journal.json`` is of this job with the same identity; else [] (a new job starts afresh)."""
     path = Path(run_dir) / MANIFEST

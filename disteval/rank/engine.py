@@ -202,12 +202,9 @@ class RankRun:
         ctx, cfg = self.ctx, self.ctx.cfg
         ev = self.evaluator()
         skip = self._resume(ev)
-        stats = self.intervals.stats
-        if stats is not None and not self.outcomes:  # eval.ci's per-sample rows travel in the journal's windows
-            ev.sources.update({f"sample_stats:{n}": h for n, h in stats.hooks.items()} if self.members
-                              else {"sample_stats": stats})
         # eval.resume: the recorded windows of this shard are added, only the other batches evaluated
-        batches, recorded = self.journal.prepare(ev) if not (skip or self.outcomes) else (None, 0)
+        batches, recorded = self.journal.prepare(ev, self.intervals.sources(), resume=not skip) \
+            if not self.outcomes else (None, 0)
         journal = [self.journal.hook_for(ev)] if not self.outcomes and self.journal.why_not is None else []
         guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
                                                         guard.progress.samples, self.ckpt_key)) if self.plan.resumable else None

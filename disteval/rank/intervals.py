@@ -30,6 +30,14 @@ class Intervals:
             self.stats = (model_set.MemberHooks({m.name: SampleStatsHook(cols) for m in members})
                           if members else SampleStatsHook(cols))
 
+    def sources(self) -> dict:
+        """The per-sample keepers whose rows the journal's windows carry (``Evaluator.sources``): this rank's
+        ``SampleStatsHook``, one per checkpoint of a set; {} when no rows are kept."""
+        if self.stats is None:
+            return {}
+        return {f"sample_stats:{n}": h for n, h in self.stats.hooks.items()} if self.members else \
+            {"sample_stats": self.stats}
+
     def keep(self, metric: Any) -> None:
         """Rank 0, first trial: keep the synchronised metric when the task computes its own intervals."""
         if int(self.ci.resamples) > 0 and self.stats is None and self.metric is None:

@@ -108,10 +108,13 @@ class RankJournal:
         self.problems: list[str] = []
         self.replayed = {"windows": 0, "samples": 0}
 
-    def prepare(self, ev: Any) -> tuple[list[tuple[int, int]] | None, int]:
-        """Schedule the recorded windows inside this rank's shard on ``ev`` and return ``(batches, samples)``:
-        the batches left to evaluate (None: no resume, the whole shard) and the samples the windows hold."""
-        if not self.chain:
+    def prepare(self, ev: Any, sources: dict, resume: bool = True) -> tuple[list[tuple[int, int]] | None, int]:
+        """Give ``ev`` the other per-sample keepers whose rows windows carry (``sources``, ``Evaluator.sources``),
+        schedule the recorded windows inside this rank's shard on it (unless ``resume`` is False: the rank resumed
+        from a checkpoint) and return ``(batches, samples)``: the batches left to evaluate (None: no resume, the
+        whole shard) and the samples the windows hold."""
+        ev.sources.update(sources)
+        if not self.chain or not resume:
             return None, 0
         start, end = self.plan.shard
         windows, self.problems = recorded_windows(self.chain, start, end)
