@@ -242,7 +242,8 @@ FAMILY_RUNS = {  # a W=1 run of each other task family, the task that draws its 
     "detection": (["+experiment=coco_replay", "data.annotations={fce}/instances_val2014_100.json",
                    "data.predictions={fce}/instances_val2014_fakebbox100_results.json"], "CocoReplayTask"),
     "segmentation": (["+experiment=coco_semseg_replay"], "SegmentationTask"),
-    "embedding": (["+experiment=fashion_mnist_knn"], "EmbeddingTask"),
+    "embedding": (["+experiment=fashion_mnist_knn", "eval.embedding.gallery_limit=3000",  # figures, not scale
+                   "eval.embedding.query_limit=600"], "EmbeddingTask"),
 }
 
 
