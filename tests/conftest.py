@@ -162,9 +162,10 @@ EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after anoth
 SPLIT = ("test_benchmarks.py",)  # files whose tests are a unit each
 # wall seconds of the longest units (measured 2026-12-07: four workers on the 2-core machine, with other work running;
 # the ordering is what counts), longest first. Units not named here go after them.
-UNIT_SECONDS = {"netlab": 1114, "test_doctor.py": 649, "slurm-lab": 574, "slurm": 462, "netlab-side": 331,
-                "test_prediction_store.py": 330, "test_html_report.py": 306, "test_hardening.py": 237, "test_cli.py": 217,
+UNIT_SECONDS = {"netlab": 1114, "test_doctor.py": 649, "slurm-lab": 574, "slurm": 648, "netlab-side": 331,
+                "test_prediction_store.py": 330, "test_html_report.py": 250, "test_hardening.py": 237, "test_cli.py": 217,
                 "test_doctor_evidence.py": 208, "test_readme_commands.py": 201, "test_heterogeneous.py": 188,
+                "test_journal.py": 188,
                 "test_benchmark_smoke[heterogeneous.py]": 128, "test_bitwise_dist.py": 124, "test_segmentation.py": 123,
                 "test_coco.py": 118, "test_benchmark_smoke[checkpoints.py]": 98, "test_allocator.py": 84,
                 "test_bootstrap.py": 83, "test_stream_cache.py": 80, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
