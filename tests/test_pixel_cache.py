@@ -375,7 +375,10 @@ def test_an_input_bound_run_is_named_and_apply_measures_the_pixel_cache(tree, tm
     attempts = json.loads((run / "doctor" / "attempts.json").read_text())
     assert len(attempts) == 2 and all(a["exit_code"] == 0 for a in attempts)
     effect = attempts[-1]["effect"]
-    assert effect["metrics_equal"] and effect["speedup"] > 1.0
+    # the ratio is measured and reported, never asserted here: a loaded CI machine measured 0.70x once; the speed
+    # target lives in benchmarks/input_pipeline.py (docs/benchmarks.md)
+    assert effect["metrics_equal"] and effect["delivered_before"] > 0 and effect["delivered_after"] > 0
+    assert effect["speedup"] == pytest.approx(effect["delivered_after"] / effect["delivered_before"])
     assert "measured: the loader delivered" in doc.stdout
 
 
