@@ -197,12 +197,14 @@ def test_interrupted_frozen_and_preempted_runs_resume(tmp_path, full):
 
 def test_bootstrap_intervals_of_a_resumed_run_are_identical(tmp_path):
     """eval.ci: the per-sample rows the bootstrap resamples travel in the windows, in sample order, so the
-    intervals of a run killed at W = 3 and resumed at W = 2 == an uninterrupted run's."""
+    intervals of a run killed at W = 3 and resumed at W = 2 with 2 loader workers == an uninterrupted run's."""
     ci = ("eval.ci.resamples=100", "eval.ci.seed=3")
     _, full = _run(tmp_path, "full", "dist.world_size=1", *ci)
     want = load_results(full)
     _run(tmp_path, "killed", "dist.world_size=3", *ci, env={"DISTEVAL_FAULTS": "kill@1:batch=4"}, ok=False)
-    _, run = _run(tmp_path, "resumed", "dist.world_size=2", *ci, f"eval.resume={tmp_path / 'killed'}")
+    # resumed with loader workers (the killed run had none): the batches around the records come from them
+    _, run = _run(tmp_path, "resumed", "dist.world_size=2", "data.num_workers=2", *ci,
+                  f"eval.resume={tmp_path / 'killed'}")
     _check_resumed(run, want["metrics"], tmp_path / "killed")
 
     def drop_seconds(intervals: dict) -> dict:
