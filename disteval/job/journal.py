@@ -54,12 +54,17 @@ def resolve_auto(cfg: Any, previous: str | Path) -> tuple[str | None, str | None
     except (OSError, ValueError):
         return None, f"the unfinished earlier run in {last} has an unreadable {MANIFEST}: not resumed"
     want = identity(cfg)
-    differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    differ = _differing(want, got)
     if differ:
         return None, (f"the unfinished earlier run in {last} had other settings ({', '.join(differ[:5])}): "
                       "not resumed, evaluating everything")
     return str(last), (f"resuming the unfinished earlier run in {last} (eval.resume=auto): only what it did not "
                        "record is evaluated; eval.resume=null evaluates everything")
+
+
+def _differing(want: dict, got: dict) -> list[str]:
+    """The keys whose values differ between two identities (missing on one side counts), sorted."""
+    return sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
 
 
 def identity(cfg: Any) -> dict[str, Any]:
@@ -147,7 +152,7 @@ def _chain(at: Path | None, cfg: Any, num_samples: int | None) -> list[Path]:
             raise ConfigError("eval.resume", f"{at} resumes from itself (a cycle of resumed runs)")
         manifest = _manifest(at)
         got = manifest.get("identity") or {}
-        differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        differ = _differing(want, got)
         if differ:
             shown = "; ".join(f"{k}: recorded {got.get(k)!r}, now {want.get(k)!r}" for k in differ[:8])
             raise ConfigError("eval.resume", f"the records in {at} are of another run: {shown}"
