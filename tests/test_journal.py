@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_results, run_disteval
+from conftest import SHARED, load_results, run_disteval
 from disteval.testing.checkpoints import perturbed_checkpoints
 
 N = 540
@@ -127,6 +127,9 @@ def test_a_resume_of_another_run_is_refused_before_ranks_start(tmp_path, full):
     proc, _ = _run(tmp_path, "trials", "dist.world_size=1", "data.limit=64", "eval.trials=2", f"eval.resume={done}",
                    ok=False)
     assert proc.returncode == 2 and "eval.trials > 1" in proc.stderr
+    proc, _ = _run(tmp_path, "store", "dist.world_size=1", "data.limit=64", "eval.save_predictions=true",
+                   f"eval.resume={done}", ok=False)
+    assert proc.returncode == 2 and "wrote no prediction store" in proc.stderr
     proc, _ = _run(tmp_path, "none", "dist.world_size=1", f"eval.resume={tmp_path / 'absent'}", ok=False)
     assert proc.returncode == 2 and "no run directory" in proc.stderr
 
@@ -195,10 +198,27 @@ def test_interrupted_frozen_and_preempted_runs_resume(tmp_path, full):
     _check_resumed(resumed, want, preempted)
 
 
-def test_bootstrap_intervals_of_a_resumed_run_are_identical(tmp_path):
-    """eval.ci: the per-sample rows the bootstrap resamples travel in the windows, in sample order, so the
-    intervals of a run killed at W = 3 and resumed at W = 2 with 2 loader workers == an uninterrupted run's."""
-    ci = ("eval.ci.resamples=100", "eval.ci.seed=3")
+def _store(run) -> dict:
+    """A run's prediction store: every column in sample-id order (``read_tables``, which checks each rank file
+    against the manifest and the ids 0..N-1 once), as Python lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from disteval.data.prediction_store import read_manifest, read_tables
+
+    store = run / "predictions"
+    manifest = read_manifest(store)
+    names = pq.read_schema(store / manifest["files"][0]["path"]).names
+    tables, order = read_tables(store, manifest, names)
+    table = pa.concat_tables(tables).take(pa.array(order))
+    return {name: table.column(name).to_pylist() for name in names}
+
+
+def test_bootstrap_intervals_and_the_store_of_a_resumed_run_are_identical(tmp_path):
+    """eval.ci and eval.save_predictions: the per-sample rows the bootstrap resamples and the prediction store's
+    rows travel in the windows, in sample order, so the intervals and the store of a run killed at W = 3 and
+    resumed at W = 2 with 2 loader workers == an uninterrupted run's."""
+    ci = ("eval.ci.resamples=100", "eval.ci.seed=3", "eval.save_predictions=true")
     _, full = _run(tmp_path, "full", "dist.world_size=1", *ci)
     want = load_results(full)
     _run(tmp_path, "killed", "dist.world_size=3", *ci, env={"DISTEVAL_FAULTS": "kill@1:batch=4"}, ok=False)
@@ -211,14 +231,17 @@ def test_bootstrap_intervals_of_a_resumed_run_are_identical(tmp_path):
         return {k: v for k, v in intervals.items() if k != "seconds"}
     got = load_results(run)["confidence_intervals"]
     assert got and drop_seconds(got) == drop_seconds(want["confidence_intervals"])
+    stored = _store(run)
+    assert stored == _store(full) and stored["sample_id"] == list(range(N))
 
 
 def test_a_checkpoint_set_resumes_every_checkpoint(tmp_path):
-    """model.checkpoints: every checkpoint's states and per-sample rows travel in the same windows; each
-    checkpoint's results.json (metrics and intervals) of a resumed run == the uninterrupted run's."""
+    """model.checkpoints: every checkpoint's states, per-sample rows and store rows travel in the same windows;
+    each checkpoint's results.json (metrics and intervals) and prediction store of a resumed run == the
+    uninterrupted run's."""
     (tmp_path / "ckpts").mkdir()
     ckpts = perturbed_checkpoints(DIGITS_CNN, tmp_path / "ckpts", (0.0, 0.3), "step")
-    job = (f"model.checkpoints={ckpts[0].parent / 'step_*.pt'}", "eval.ci.resamples=100")
+    job = (f"model.checkpoints={ckpts[0].parent / 'step_*.pt'}", "eval.ci.resamples=100", "eval.save_predictions=true")
     _, full = _run(tmp_path, "full", "dist.world_size=1", *job)
     _run(tmp_path, "killed", "dist.world_size=3", *job, env={"DISTEVAL_FAULTS": "kill@2:batch=4"}, ok=False)
     _, run = _run(tmp_path, "resumed", "dist.world_size=2", *job, f"eval.resume={tmp_path / 'killed'}")
@@ -228,6 +251,7 @@ def test_a_checkpoint_set_resumes_every_checkpoint(tmp_path):
         assert got["metrics"] == want["metrics"], c.stem
         assert {k: v for k, v in got["confidence_intervals"].items() if k != "seconds"} == \
             {k: v for k, v in want["confidence_intervals"].items() if k != "seconds"}, c.stem
+        assert _store(run / "checkpoints" / c.stem) == _store(full / "checkpoints" / c.stem), c.stem
 
 
 def test_fast_mode_resume_counts_exact_floats_within_rounding(tmp_path):
@@ -256,3 +280,22 @@ def _close(got, want, key):
             _close(got[k], want[k], f"{key}.{k}")
     else:
         assert got == want, key
+
+
+COCO = SHARED / "data" / "coco" / "fce_cocoapi"
+
+
+@pytest.mark.skipif(not COCO.is_dir(), reason=f"the COCO sample files are not there ({COCO}: ../shared/data)")
+def test_a_coco_replay_resumes_its_metrics_and_its_detection_store(tmp_path):
+    """COCO boxes (pycocotools' matching state, list-valued detection store rows): killed at W = 3 while its last
+    windows were open, resumed at W = 2: AP@[.5:.95] and the other 11 statistics and the store == uninterrupted."""
+    job = ("+experiment=coco_replay", f"data.annotations={COCO / 'instances_val2014_100.json'}",
+           f"data.predictions={COCO / 'instances_val2014_fakebbox100_results.json'}", "data.batch_size=8",
+           "eval.save_predictions=true")
+    _, full = _run(tmp_path, "full", "dist.world_size=1", *job)
+    _run(tmp_path, "killed", "dist.world_size=3", *job, env={"DISTEVAL_FAULTS": "kill@1:batch=3"}, ok=False)
+    _, run = _run(tmp_path, "resumed", "dist.world_size=2", *job, f"eval.resume={tmp_path / 'killed'}")
+    got, want = load_results(run), load_results(full)
+    assert got["metrics"] == want["metrics"] and got["coverage"]["ok"]
+    assert 0 < got["journal"]["samples_resumed"] < 100
+    assert _store(run) == _store(full)

@@ -50,11 +50,12 @@ def resolve_auto(cfg: Any, previous: str | Path) -> tuple[str | None, str | None
         return None, None
     last = earlier[-1]
     try:
-        got = json.loads((last / MANIFEST).read_text()).get("identity") or {}
+        manifest = json.loads((last / MANIFEST).read_text())
     except (OSError, ValueError):
         return None, f"the unfinished earlier run in {last} has an unreadable {MANIFEST}: not resumed"
-    want = identity(cfg)
-    differ = _differing(want, got)
+    differ = _differing(identity(cfg), manifest.get("identity") or {})
+    if not differ and store_mismatch(cfg, manifest, last):
+        differ = ["eval.save_predictions/eval.predictions"]
     if differ:
         return None, (f"the unfinished earlier run in {last} had other settings ({', '.join(differ[:5])}): "
                       "not resumed, evaluating everything")
@@ -89,9 +90,28 @@ def resume_problem(cfg: Any, streamed: bool, meshed: bool) -> str | None:
     sampler = str(cfg.data.sampler)
     reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
                (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
-               (streamed, "streamed shards (data.urls)"), (meshed, "a dist.parallel device mesh"),
-               (bool(cfg.eval.save_predictions), "eval.save_predictions (the prediction store is not recorded)")]
+               (streamed, "streamed shards (data.urls)"), (meshed, "a dist.parallel device mesh")]
     return next((why for bad, why in reasons if bad), None)
+
+
+def store_settings(cfg: Any) -> dict | None:
+    """The prediction store's settings when the run writes one (its windows carry the store's rows), else None:
+    {eval.predictions: ...}. Not part of ``identity`` (the store does not change the metrics), but a run that
+    writes a store resumes only from records that carry its rows in the same settings (``store_mismatch``)."""
+    return {"eval.predictions": plain(cfg.eval.predictions)} if cfg.eval.save_predictions else None
+
+
+def store_mismatch(cfg: Any, manifest: dict, at: Path) -> str | None:
+    """Why the records of ``manifest`` (in ``at``) cannot fill this run's prediction store, None when they can
+    (the run writes no store, or the records carry its rows in the same settings)."""
+    want = store_settings(cfg)
+    if want is None or manifest.get("store") == want:
+        return None
+    got = manifest.get("store")
+    if got is None:
+        return (f"the run in {at} wrote no prediction store, so its records hold no predictions for "
+                "eval.save_predictions=true; resume with eval.save_predictions=false, or evaluate anew")
+    return f"the prediction store in {at} was recorded with {got}, this run asks for {want}"
 
 
 def journal_dir(run_dir: Path, rank: int) -> Path:
@@ -103,7 +123,8 @@ def write_manifest(run_dir: Path, cfg: Any, num_samples: int, job_id: str | None
     """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, job (the scheduler's job id, kept by a
     requeued job), resumed_from}, atomically."""
     atomic_write_json(Path(run_dir) / MANIFEST, {
-        "schema": SCHEMA, "identity": identity(cfg), "num_samples": int(num_samples), "job": job_id or None,
+        "schema": SCHEMA, "identity": identity(cfg), "store": store_settings(cfg), "num_samples": int(num_samples),
+        "job": job_id or None,
         "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None})
 
 
@@ -117,7 +138,7 @@ def requeue_chain(run_dir: Path, cfg: Any, job_id: str | None, num_samples: int)
     except (OSError, ValueError):
         return []
     if not job_id or manifest.get("job") != job_id or manifest.get("identity") != identity(cfg) or \
-            int(manifest.get("num_samples", -1)) != int(num_samples):
+            int(manifest.get("num_samples", -1)) != int(num_samples) or store_mismatch(cfg, manifest, run_dir):
         return []
     earlier = manifest.get("resumed_from")
     return [Path(run_dir).resolve(), *(_chain(Path(earlier), cfg, num_samples) if earlier else [])]
@@ -157,6 +178,9 @@ def _chain(at: Path | None, cfg: Any, num_samples: int | None) -> list[Path]:
             shown = "; ".join(f"{k}: recorded {got.get(k)!r}, now {want.get(k)!r}" for k in differ[:8])
             raise ConfigError("eval.resume", f"the records in {at} are of another run: {shown}"
                               f"{' (and more)' if len(differ) > 8 else ''}; resume with the settings the run had")
+        store = store_mismatch(cfg, manifest, at)
+        if store:
+            raise ConfigError("eval.resume", store)
         if num_samples is not None and int(manifest.get("num_samples", -1)) != int(num_samples):
             raise ConfigError("eval.resume", f"the records in {at} cover {manifest.get('num_samples')} samples; the "
                               f"dataset now has {num_samples} (its files changed?)")

@@ -193,7 +193,8 @@ class Evaluator:
         but recorded on the device only (``Metric.raise_deferred``: DataError naming the sample id, here also
         its global batch)."""
         if self._replay:
-            self._add_recorded(until=None)
+            with torch.inference_mode():  # as in the loop: a state the metric replaced there is an inference tensor
+                self._add_recorded(until=None)
         with self._batch_named():
             self.metric.raise_deferred()
         if self.tree is not None and self.float_names:

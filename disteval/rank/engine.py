@@ -44,7 +44,7 @@ from disteval.rank.journal import RankJournal
 from disteval.rank.results import exclusion_record, finish, finish_members
 from disteval.rank.peers import PeerFailedError, PeerWatch
 from disteval.rank.plan import RunPlan
-from disteval.rank.predictions import store_hook
+from disteval.rank.predictions import store_hook, store_sources
 from disteval.job.records import (atomic_write_json, config_digest, rank_dir, relay_records,
                               write_results)
 from disteval.rank.resume import CHECKPOINT, PreemptionGuard, load_checkpoint, save_checkpoint
@@ -203,8 +203,8 @@ class RankRun:
         ev = self.evaluator()
         skip = self._resume(ev)
         # eval.resume: the recorded windows of this shard are added, only the other batches evaluated
-        batches, recorded = self.journal.prepare(ev, self.intervals.sources(), resume=not skip) \
-            if not self.outcomes else (None, 0)
+        sources = {**self.intervals.sources(), **store_sources(self.store)}  # per-sample rows windows carry
+        batches, recorded = self.journal.prepare(ev, sources, resume=not skip) if not self.outcomes else (None, 0)
         journal = [self.journal.hook_for(ev)] if not self.outcomes and self.journal.why_not is None else []
         guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
                                                         guard.progress.samples, self.ckpt_key)) if self.plan.resumable else None

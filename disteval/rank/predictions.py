@@ -2,7 +2,11 @@
 ``disteval.data.prediction_store``'s): each rank collects its batches' predictions in a loop hook and writes
 ``predictions/rank{r}.parquet`` atomically after its loop (a temporary file in the same folder, then a rename);
 rank 0 writes ``predictions/_manifest.json`` after the synchronisation, from every rank's file entry (rows,
-sha256) carried in the synchronised rows, with the model's and the data's identity."""
+sha256) carried in the synchronised rows, with the model's and the data's identity.
+
+With the journal on (``eval.journal``), the hook is also a source of the evaluator's windows
+(``Evaluator.sources``): each window carries its batches' rows as Parquet bytes, and a resumed run adds them back
+in sample-id order, so the store of a resumed run holds the rows an uninterrupted run writes."""
 from __future__ import annotations
 
 import hashlib
@@ -28,12 +32,13 @@ STORE_DIR = "predictions"
 class PredictionHook(LoopHook):
     """One rank's predictions: ``after_outputs`` turns each batch into columns with the task's ``columns``
     (``Task.prediction_columns``), ``after_loop`` writes them in ``schema`` (``Task.prediction_schema``) as one
-    Parquet file and keeps its manifest entry in ``entry`` {rank, path, rows, sha256, seconds, import_seconds}."""
+    Parquet file and keeps its manifest entry in ``entry`` {rank, path, rows, sha256, seconds, import_seconds}.
+    ``parts``: per batch its columns, or a pyarrow Table of several batches (a window's rows, see ``since``)."""
 
     def __init__(self, run_dir: str, rank: int, schema: Any, columns: Callable[[Any, Any, torch.Tensor], dict]):
         self.path = Path(run_dir) / STORE_DIR / f"rank{rank}.parquet"
         self.rank, self.schema, self.columns = rank, schema, columns
-        self.batches: list = []
+        self.parts: list = []
         self.entry: dict | None = None
         self.seconds = 0.0  # spent converting batches and writing the file (the store's own cost)
         t0 = time.perf_counter()
@@ -42,22 +47,70 @@ class PredictionHook(LoopHook):
 
     def after_outputs(self, outputs: Any, targets: Any, ids: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.batches.append(self.columns(outputs, targets, ids))
+        self.parts.append(self.columns(outputs, targets, ids))
         self.seconds += time.perf_counter() - t0
+
+    def _table(self, parts: list) -> Any:
+        """One Table of ``parts`` in order (runs of batch columns built with ``build_table``)."""
+        import pyarrow as pa
+
+        tables, run = [], []
+        for part in parts:
+            if isinstance(part, dict):
+                run.append(part)
+                continue
+            if run:
+                tables.append(build_table(run, self.schema))
+                run = []
+            tables.append(part)
+        if run or not tables:
+            tables.append(build_table(run, self.schema))
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+    # a source of ``Evaluator.sources``: the store's rows of a journal window (disteval.rank.journal)
+    def mark(self) -> int:
+        """Where the rows stand (the number of parts)."""
+        return len(self.parts)
+
+    def since(self, mark: int) -> torch.Tensor:
+        """The rows added after ``mark`` as a Parquet file's bytes, uint8 [bytes]; those parts are replaced
+        by their Table (built once: ``after_loop`` reuses it)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        t0 = time.perf_counter()
+        table = self._table(self.parts[mark:])
+        self.parts[mark:] = [table]
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = torch.frombuffer(bytearray(sink.getvalue().to_pybytes()), dtype=torch.uint8)
+        self.seconds += time.perf_counter() - t0
+        return data
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Append a window's recorded rows (``since``'s bytes) after the rows so far. Raises ValueError when
+        they are not rows of this store's schema (a window of another store)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(pa.BufferReader(rows.numpy().tobytes()))
+        if not table.schema.equals(self.schema):
+            raise ValueError(f"recorded prediction rows of another schema: {table.schema} (want {self.schema})")
+        self.parts.append(table)
 
     def after_loop(self, progress: Any) -> None:
         import pyarrow.parquet as pq
 
         t0 = time.perf_counter()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        table = build_table(self.batches, self.schema)
+        table = self._table(self.parts)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             pq.write_table(table, tmp)
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
-        self.batches = []
+        self.parts = []
         self.seconds += time.perf_counter() - t0
         self.entry = {"rank": self.rank, "path": self.path.name, "rows": table.num_rows,
                       "sha256": file_sha256(self.path), "seconds": self.seconds, "import_seconds": self.import_seconds}
@@ -155,3 +208,13 @@ def store_hook(ctx: Any, task: Any, members: list) -> Any:
         return model_set.MemberHooks({m.name: PredictionHook(str(model_set.member_dir(ctx.run_dir, m)), ctx.rank,
                                                              schema, task.prediction_columns) for m in members})
     return PredictionHook(ctx.run_dir, ctx.rank, schema, task.prediction_columns)
+
+
+def store_sources(store: Any) -> dict:
+    """The prediction store's keepers whose rows the journal's windows carry (``Evaluator.sources``): {"predictions":
+    hook}, or {"predictions:<checkpoint>": hook} per checkpoint of a set; {} without a store (``store`` None)."""
+    if store is None:
+        return {}
+    if isinstance(store, model_set.MemberHooks):
+        return {f"predictions:{n}": h for n, h in store.hooks.items()}
+    return {"predictions": store}
