@@ -68,17 +68,19 @@ def on_nodes(lab: NetLab, commands: dict[str, list[str]], timeout: float = 240) 
 
 
 def multi_node(lab: NetLab, nodes: list[str], run_dir: Path | str, *overrides: str, torchrun: bool = False,
-               static: bool = False, extra: dict[str, list[str]] | None = None) -> dict:
-    """The job at W = 4 over ``nodes`` (4 / len(nodes) ranks each), rendezvous on n1; returns {node: process}."""
-    endpoint = f"198.18.0.1:{next(_ports)}"
-    per_node = 4 // len(nodes)
+               static: bool = False, extra: dict[str, list[str]] | None = None, world_size: int = 4) -> dict:
+    """The job at W = ``world_size`` over ``nodes`` (W / len(nodes) ranks each), rendezvous on the first node;
+    returns {node: process}."""
+    endpoint = f"{lab.node(nodes[0]).addr}:{next(_ports)}"
+    per_node = world_size // len(nodes)
     common = [f"hydra.run.dir={run_dir}", "communication.timeout_s=60", *overrides]
     commands = {}
     for k, n in enumerate(nodes):
         if torchrun:
             commands[n] = _torchrun(len(nodes), per_node, endpoint, *common)
         else:
-            commands[n] = _disteval("dist.world_size=4", f"dist.nnodes={len(nodes)}", f"dist.rdzv_endpoint={endpoint}",
+            commands[n] = _disteval(f"dist.world_size={world_size}", f"dist.nnodes={len(nodes)}",
+                                    f"dist.rdzv_endpoint={endpoint}",
                                     *([f"dist.node_rank={k}"] if static else []), *common, *(extra or {}).get(n, []))
     shared = Path(run_dir).is_relative_to(lab.shared)  # else each node's own disk (its private /tmp)
     fresh = shared and not Path(run_dir).exists()
@@ -576,9 +578,10 @@ def test_node_frozen_or_killed_mid_forward(lab, reference, action):
     doctor blames that rank and says what happened: frozen (its heartbeat stopped: no timeout helps) or the
     node died (its launcher and its ranks stopped at once; with node-local run directories, ``kill-local``, from
     n2's ranks' records relayed through the store, its launcher's record being on n2's disk); after a thaw
-    nothing of the run survives. The run recorded its progress after every batch (eval.journal): resumed on
-    this machine at W = 3 from the run directory (n1's own disk for ``kill-local``: n2's records are not there,
-    their batches are evaluated again), its metrics == the one-process run's."""
+    nothing of the run survives. The run recorded its progress after every batch (eval.journal): resumed at W = 2
+    across two other lab nodes (n1 and n3, one rank each; through torchrun after the kill, through disteval's
+    launcher after the freeze), and on this machine at W = 3 from n1's own disk for ``kill-local`` (n2's records
+    are not there: their batches are evaluated again); its metrics == the one-process run's."""
     local = action == "kill-local"
 
     def strike(run_dir):
@@ -605,8 +608,15 @@ def test_node_frozen_or_killed_mid_forward(lab, reference, action):
     assert report["remedy"]["changes_cause"] is False
     _nothing_left(lab)
     resumed = run_dir.parent / f"{run_dir.name}_resumed"
-    proc = run_disteval("dist.world_size=3", "eval.journal.every_batches=1", f"eval.resume={run_dir}", run_dir=resumed)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if local:
+        proc = run_disteval("dist.world_size=3", "eval.journal.every_batches=1", f"eval.resume={run_dir}",
+                            run_dir=resumed)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:  # the resumed run itself spans nodes: rank 1 on n3 reads the records from the shared folder
+        procs = multi_node(lab, ["n1", "n3"], resumed, "eval.journal.every_batches=1", f"eval.resume={run_dir}",
+                           torchrun=action == "kill", world_size=2)
+        rows = load_results(resumed)["per_rank"]
+        assert sorted(r["host"] for r in rows) == ["n1", "n3"], rows
     res = load_results(resumed)
     assert res["metrics"] == reference[0]["metrics"] and res["coverage"]["ok"]
     assert res["journal"]["samples_resumed"] > 0, res["journal"]
