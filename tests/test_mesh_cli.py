@@ -219,3 +219,33 @@ def test_doctor_names_missing_dummy_steps_tp_digests_and_where_ranks_hang(mesh_r
         _write_status(run, r, record)
     f = _finding(diagnose(load_run(run)), "COMM", "mesh_hang")
     assert f.status == "fail" and f.phase == "sync" and "wait in the metric sync over the data-parallel group" in f.finding
+
+
+def test_a_killed_mesh_run_resumes_in_lockstep_and_on_another_layout(mesh_run, tmp_path):
+    """eval.journal under a mesh: the first TP rank of each data-parallel group records its windows; rank 0
+    killed after its first batch, the run resumed (a) on the same 2 x 2 mesh, whose dp ranks now have other
+    batch counts left (the dummy steps are planned again over what is left: FSDP's collectives stay in
+    lockstep) and (b) at W = 2 as tp=2 alone: metrics == the uninterrupted mesh run's, every sample once."""
+    run_dir, proc, _, root = mesh_run
+    assert proc.returncode == 0, proc.stderr
+    want = load_results(run_dir)["metrics"]
+    job = (*VIT, f"data.root={root}", f"model.checkpoint={run_dir.parent / 'vit.pt'}", "eval.journal.every_batches=1")
+    mesh = ("dist.world_size=4", "dist.parallel.dp_shard=2", "dist.parallel.tp=2")
+    killed = tmp_path / "killed"
+    proc = run_disteval(*job, *mesh, "communication.timeout_s=10", run_dir=killed,
+                        env={"DISTEVAL_FAULTS": "kill@0:batch=2"})
+    assert proc.returncode != 0 and not (killed / "results.json").exists()
+    assert sorted(p.name for p in killed.glob("ranks/rank0/journal/*.pt")) == ["000000000000-000000000004.pt"]
+    assert not list(killed.glob("ranks/rank1/journal/*.pt"))  # rank 0's TP peer reads rank 0's records
+    for name, layout in (("same_mesh", mesh), ("tp_only", ("dist.world_size=2", "dist.parallel.tp=2"))):
+        proc = run_disteval(*job, *layout, f"eval.resume={killed}", run_dir=tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = load_results(tmp_path / name)
+        assert res["metrics"] == want and res["coverage"]["ok"], name
+        assert res["journal"]["samples_resumed"] >= 4, res["journal"]
+        if name == "same_mesh":  # dp rank 0 has batch 1 left; dp rank 1 its batch unless it recorded it
+            left = res["parallel"]["batches_per_dp_rank"]
+            assert left[0] == 1 and res["parallel"]["dummy_steps_per_dp_rank"] == [0, 1 - left[1]], res["parallel"]
+    # tp is part of what a record is of: a resume with another TP degree is refused before any rank starts
+    proc = run_disteval(*job, "dist.world_size=1", f"eval.resume={killed}", run_dir=tmp_path / "no_tp")
+    assert proc.returncode == 2 and "dist.parallel.tp: recorded 2, now 1" in proc.stderr

@@ -105,8 +105,15 @@ def lockstep_plan(num_samples: int, batch_size: int, dp_replicate: int, dp_shard
     planned. Returns ``{"batches": [dp], "dummy_steps": [dp]}`` indexed by dp rank."""
     dp = dp_replicate * dp_shard
     batches = [shard_batches(num_samples, batch_size, dp, r, aligned) for r in range(dp)]
+    return {"batches": batches, "dummy_steps": lockstep_dummy_steps(batches, dp_shard)}
+
+
+def lockstep_dummy_steps(batches: list[int], dp_shard: int) -> list[int]:
+    """The dummy steps of every data-parallel rank (``lockstep_plan``) when dp rank r evaluates ``batches[r]``
+    batches (a resumed run: the batches no record covers): ``max(batches in its replica group) - batches[r]``
+    with ``dp_shard > 1``, else 0."""
     dummy = []
-    for r in range(dp):
+    for r in range(len(batches)):
         group = batches[(r // dp_shard) * dp_shard:(r // dp_shard + 1) * dp_shard]
         dummy.append(max(group) - batches[r] if dp_shard > 1 else 0)
-    return {"batches": batches, "dummy_steps": dummy}
+    return dummy

@@ -2,9 +2,10 @@
 progress and how another run finds and checks it. The ranks write them (``disteval.rank.journal``); the driver
 checks a resume against them before any rank starts (``check_resume``).
 
-``RUN_DIR/journal.json`` (rank 0): what the numbers depend on (``identity``: model, data, precision and
-evaluation settings; not the world size, launcher, loader workers or timeouts), the sample count, and the run
-resumed from, if any. ``RUN_DIR/ranks/rank{r}/journal/{start}-{end}.pt``: one window (``disteval.metrics.window``)
+``RUN_DIR/journal.json`` (every recording rank, the same content, before its first window): what the numbers
+depend on (``identity``: model, data, precision and evaluation settings, the tensor-parallel degree; not the
+world size, launcher, loader workers or timeouts), the prediction store's settings, the sample count, and the
+run resumed from, if any. ``RUN_DIR/ranks/rank{r}/journal/{start}-{end}.pt``: one window (``disteval.metrics.window``)
 per file, named by its first and end sample ids (12 digits), written atomically. A window on another node's
 local disk is not seen by a resume: its batches are evaluated again (never wrong, only slower).
 """
@@ -81,16 +82,18 @@ def identity(cfg: Any) -> dict[str, Any]:
             flat[prefix] = node
 
     walk(plain(cfg), "")
+    parallel = (plain(cfg).get("dist") or {}).get("parallel") or {}
+    flat["dist.parallel.tp"] = int(parallel.get("tp") or 1)  # TP splits the matmuls: other float bits
     return flat
 
 
-def resume_problem(cfg: Any, streamed: bool, meshed: bool) -> str | None:
+def resume_problem(cfg: Any, streamed: bool) -> str | None:
     """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``streamed``: tar shards planned per rank; ``meshed``: a ``dist.parallel`` device mesh."""
+    ``streamed``: tar shards planned per rank."""
     sampler = str(cfg.data.sampler)
     reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
                (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
-               (streamed, "streamed shards (data.urls)"), (meshed, "a dist.parallel device mesh")]
+               (streamed, "streamed shards (data.urls)")]
     return next((why for bad, why in reasons if bad), None)
 
 
@@ -120,8 +123,9 @@ def journal_dir(run_dir: Path, rank: int) -> Path:
 
 
 def write_manifest(run_dir: Path, cfg: Any, num_samples: int, job_id: str | None, resumed_from: Path | None) -> None:
-    """Rank 0: ``RUN_DIR/journal.json`` {schema, identity, num_samples, job (the scheduler's job id, kept by a
-    requeued job), resumed_from}, atomically."""
+    """Every recording rank (the same content; node-local run directories get one each): ``RUN_DIR/journal.json``
+    {schema, identity, store, num_samples, job (the scheduler's job id, kept by a requeued job), resumed_from},
+    atomically."""
     atomic_write_json(Path(run_dir) / MANIFEST, {
         "schema": SCHEMA, "identity": identity(cfg), "store": store_settings(cfg), "num_samples": int(num_samples),
         "job": job_id or None,

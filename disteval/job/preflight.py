@@ -119,9 +119,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
         raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "
                           "metric to find outlier ranks from (Task.rank_metric; classification's is top-1 accuracy)")
     if resume_dir(cfg):  # the records are of this run, and the run can be resumed exactly
-        meshed = any(v is not None for v in (cfg.dist.parallel.dp_replicate, cfg.dist.parallel.dp_shard,
-                                             cfg.dist.parallel.tp))
-        why = resume_problem(cfg, bool(task.streamed), meshed)
+        why = resume_problem(cfg, bool(task.streamed))
         if why is not None:
             raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
         check_resume(cfg)

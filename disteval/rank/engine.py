@@ -191,8 +191,7 @@ class RankRun:
 
     @staticmethod
     def _checkpoint_state(ev: Evaluator, progress) -> dict:
-        """The evaluator's state, plus (streamed data) the positions skipped so far, so that a resumed run
-        still lists them in results.json."""
+        """The evaluator's state, plus (streamed data) the positions skipped so far (results.json lists them)."""
         return {**ev.state_dict(), "stream_skipped": torch.tensor(progress.skipped, dtype=torch.int64)}
 
     def trial(self) -> dict:
@@ -203,9 +202,10 @@ class RankRun:
         ev = self.evaluator()
         skip = self._resume(ev)
         # eval.resume: the recorded windows of this shard are added, only the other batches evaluated
-        sources = {**self.intervals.sources(), **store_sources(self.store)}  # per-sample rows windows carry
-        batches, recorded = self.journal.prepare(ev, sources, resume=not skip) if not self.outcomes else (None, 0)
-        journal = [self.journal.hook_for(ev)] if not self.outcomes and self.journal.why_not is None else []
+        batches, recorded, journal = self.journal.begin(ev, {**self.intervals.sources(), **store_sources(self.store)},
+                                                        resume=not skip, first=not self.outcomes, mesh=self.mesh)
+        if self.mesh is not None and batches is not None:  # a resumed mesh run: in lockstep over what is left
+            self.dummy_steps = self.mesh.relockstep(len(batches))
         guard = PreemptionGuard(lambda: save_checkpoint(self.ckpt_path, self._checkpoint_state(ev, guard.progress),
                                                         guard.progress.samples, self.ckpt_key)) if self.plan.resumable else None
         display = report.GlobalProgress(len(self.dataset), enabled=ctx.rank == 0 and cfg.eval.progress)

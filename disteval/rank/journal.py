@@ -36,7 +36,7 @@ log = logging.getLogger("disteval.rank")
 def unsupported(cfg: Any, plan: Any) -> str | None:
     """Why this run cannot record its progress for an exact resume (``disteval.job.journal.resume_problem``),
     None when it can. ``plan``: the rank's ``RunPlan``."""
-    return resume_problem(cfg, plan.streamed, plan.meshed)
+    return resume_problem(cfg, plan.streamed)
 
 
 def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
@@ -100,7 +100,7 @@ class RankJournal:
             self.chain = check_resume(cfg, plan.num_samples)
         elif cfg.eval.resume == AUTO and why is None:  # a requeued job: its own records (the driver resolved others)
             self.chain = requeue_chain(ctx.run_dir, cfg, launch_env.job_id(), plan.num_samples)
-        if self.why_not is None and ctx.rank == 0:
+        if self.why_not is None:  # every rank, before its first window: also on node-local run directories
             here = Path(ctx.run_dir).resolve()
             write_manifest(ctx.run_dir, cfg, plan.num_samples, launch_env.job_id(),
                            next((p for p in self.chain if p != here), None))
@@ -126,6 +126,19 @@ class RankJournal:
             raise ConfigError("eval.resume", f"the records in {self.chain[0]} do not fit this run: {exc}") from None
         self.replayed = ev.replayed
         return uncovered_batches(start, end, self.plan.batch_size, windows), sum(w.samples for w in windows)
+
+    def begin(self, ev: Any, sources: dict, *, resume: bool, first: bool, mesh: Any = None
+              ) -> tuple[list[tuple[int, int]] | None, int, list]:
+        """A trial's start: ``prepare`` (``first`` trial only: later trials evaluate everything and record
+        nothing) and the loop hooks that record ``ev``'s windows. ``mesh``: the rank's ``MeshRun``, whose tensor-
+        parallel peers evaluate the same batches: only the first of them writes (the others read the same records
+        when resumed). Returns ``(batches, samples recorded, hooks)``."""
+        if not first:
+            return None, 0, []
+        batches, recorded = self.prepare(ev, sources, resume)
+        if self.why_not is not None or (mesh is not None and mesh.groups.tp_rank != 0):
+            return batches, recorded, []
+        return batches, recorded, [self.hook_for(ev)]
 
     def hook_for(self, ev: Any) -> "JournalHook":
         """The loop hook that records ``ev``'s windows (only when ``why_not`` is None)."""

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils.data import default_collate
 
 from disteval.comm import Communicator
 from disteval.comm.mesh import MeshGroups, ParallelDims, apply_parallelism, build_mesh, load_full_state_dict
 from disteval.config import ParallelConfig
-from disteval.data.sharding import lockstep_plan
+from disteval.data.sharding import lockstep_dummy_steps, lockstep_plan
 from disteval.errors import ConfigError, DistevalError
 from disteval.models.parallel_plans import plan_for, tp_problems
 
@@ -102,6 +103,15 @@ class MeshRun:
     def lockstep(self, num_samples: int, batch_size: int, aligned: bool) -> int:
         """Compute the lockstep plan of every dp rank (kept in ``self.plan``); returns this rank's dummy steps."""
         self.plan = lockstep_plan(num_samples, batch_size, self.dims.dp_replicate, self.dims.dp_shard, aligned)
+        return self.plan["dummy_steps"][self.dp_rank]
+
+    def relockstep(self, batches: int) -> int:
+        """A resumed run (``eval.resume``): this dp rank evaluates ``batches`` batches (those no record covers);
+        gathers every dp rank's count over the data-parallel group (a collective under the communication
+        timeout), keeps the new plan and returns this rank's dummy steps."""
+        counts = self.dp_comm.all_gather_sized(torch.tensor([int(batches)], dtype=torch.int64), [1] * self.dp_size)
+        got = [int(c[0]) for c in counts]
+        self.plan = {"batches": got, "dummy_steps": lockstep_dummy_steps(got, self.dims.dp_shard)}
         return self.plan["dummy_steps"][self.dp_rank]
 
     def row(self, progress: Any) -> dict:
