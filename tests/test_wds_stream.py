@@ -555,3 +555,32 @@ def test_dp_rank_and_size_come_from_the_caller_not_the_environment(shard_set, mo
         stream = source.stream(3, 1, 2, B, aligned=True)
         ids = sorted(i for j in range(2) for b in stream.iter_worker(j) for i in b.sample_ids.tolist())
         assert (start, end) == (28, 56) and ids == list(range(start, end)), env
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_given_batches_are_read_once_each_as_one_batch(shard_set, aligned):
+    """A resume around recorded windows (``plan_rank(batches=...)``): only the given position spans are read,
+    each as exactly one batch with its own ids (also in fast mode, where a span need not start on the worker's
+    grid), dealt to 3 workers round-robin so that in request order they arrive increasing; spans outside the
+    rank's range are refused."""
+    out, paths, images, _ = shard_set
+    shards = load_index(str(out / "index.json"), paths)
+    counts = [s.num_samples for s in shards]
+    n = sum(counts)
+    given = [(0, 4), (9, 12), (12, 16), (33, 35), (40, 44), (n - 3, n)]  # gaps: recorded windows
+    plans = plan_rank(counts, 1, 0, 3, B if aligned else None, batches=given)
+    assert [p.spans for p in plans] == [tuple(given[0::3]), tuple(given[1::3]), tuple(given[2::3])]
+    ds = ShardStream(shards, plans, B, FMT)
+    per_worker = [list(ds.iter_worker(k)) for k in range(3)]
+    in_request_order = [b for row in zip(*per_worker) for b in row]
+    got = [tuple(b.sample_ids.tolist()) for b in in_request_order]
+    assert got == [tuple(range(a, b)) for a, b in given]
+    for b in in_request_order:  # the pixels are the images at those positions
+        ids = b.sample_ids.numpy()
+        assert torch.equal(b.inputs[:, 0], torch.from_numpy(images[ids]).float() / 255)
+    # two short spans inside one batch-sized block of one worker stay two batches
+    one = ShardStream(shards, plan_rank(counts, 1, 0, 0, B if aligned else None, batches=[(0, 2), (2, 4)]), B, FMT)
+    expect = [(0, 1, 2, 3)] if aligned else [(0, 1), (2, 3)]  # aligned: both lie in global batch 0
+    assert [tuple(b.sample_ids.tolist()) for b in one.iter_worker(0)] == expect
+    with pytest.raises(ValueError, match="not inside the rank's positions"):
+        plan_rank(counts, 2, 1, 1, B, batches=[(0, 4)])

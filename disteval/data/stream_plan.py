@@ -51,13 +51,15 @@ class ShardRange:
 class ConsumerPlan:
     """What consumer (rank, worker) reads: position ``spans`` (half-open, increasing) as ``ranges`` in
     position order. ``done``: samples of the rank evaluated before a resume (left out of every consumer's
-    spans); ``batch_size`` is B when batch-aligned (batch of position p: ``p // B``), else None."""
+    spans); ``batch_size`` is B when batch-aligned (batch of position p: ``p // B``), else None; ``given``: the
+    spans are the batches a resume evaluates (``plan_rank``'s ``batches``), each read as one batch."""
     rank: int
     worker: int
     spans: tuple[tuple[int, int], ...]
     done: int
     batch_size: int | None
     ranges: tuple[ShardRange, ...]
+    given: bool = False  # spans given as whole batches (a resume around recorded windows): each span one batch
 
     def __len__(self) -> int:
         return sum(b - a for a, b in self.spans)
@@ -141,16 +143,25 @@ def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: int, batch_size: int | None,
-              done: int = 0) -> list[ConsumerPlan]:
+              done: int = 0, batches: Sequence[tuple[int, int]] | None = None) -> list[ConsumerPlan]:
     """The plans of every worker of ``rank`` (``max(1, num_workers)`` of them), from the index's per-shard
     sample counts. ``done``: samples of the rank already evaluated, a prefix in delivery order (resume: the
-    checkpoint's one count per rank; see ``worker_spans``). dp rank and size come from the caller (the
-    engine), never from environment variables. Raises ValueError for a bad ``done``."""
+    checkpoint's one count per rank; see ``worker_spans``). ``batches``: only these position spans, increasing,
+    inside the rank's range, each one batch (a resume around recorded windows, ``disteval.rank.journal``), dealt
+    to the workers round-robin from worker 0 (so they arrive in increasing order). dp rank and size come from
+    the caller (the engine), never from environment variables. Raises ValueError for a bad ``done`` or a span
+    outside the rank's range."""
     starts = shard_starts(counts)
     start, end = rank_bounds(starts[-1], world_size, rank, batch_size)
+    k = max(1, num_workers)
+    if batches is not None:
+        bad = [(a, b) for a, b in batches if not start <= a < b <= end]
+        if bad:
+            raise ValueError(f"batches {bad[:3]} are not inside the rank's positions [{start}, {end})")
     plans = []
-    for w in range(max(1, num_workers)):
-        spans = worker_spans(start, end, num_workers, w, batch_size, done)
+    for w in range(k):
+        spans = worker_spans(start, end, num_workers, w, batch_size, done) if batches is None else \
+            [tuple(x) for x in batches[w::k]]
         ranges = tuple(r for a, b in _merge(spans) for r in shard_ranges(starts, a, b))
-        plans.append(ConsumerPlan(rank, w, tuple(spans), done, batch_size, ranges))
+        plans.append(ConsumerPlan(rank, w, tuple(spans), done, batch_size, ranges, given=batches is not None))
     return plans

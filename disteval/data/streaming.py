@@ -43,10 +43,12 @@ class StreamSource:
         return rank_bounds(len(self), world_size, rank, batch_size)
 
     def stream(self, world_size: int, rank: int, num_workers: int, batch_size: int, aligned: bool,
-               done: int = 0) -> ShardStream:
+               done: int = 0, batches: list[tuple[int, int]] | None = None) -> ShardStream:
         """The rank's IterableDataset (one plan per loader worker); ``done``: the rank's samples already
-        evaluated (resume)."""
-        plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done)
+        evaluated (a checkpoint's resume); ``batches``: only these position spans, each a batch (a resume
+        around recorded windows; ``stream_plan.plan_rank``)."""
+        plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done,
+                          batches)
         if self.pixels is not None:
             return CachedStream(self, plans, batch_size, self.pixels)
         fmt = replace(self.fmt, source_digests=True) if self.cache_writer is not None else self.fmt

@@ -20,6 +20,8 @@ and key of its first sample. Nothing hangs: local shards are plain files, read t
 """
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -332,8 +334,13 @@ class ShardStream(IterableDataset):
             pending, skipped, skipped_digests = [], [], []
             return out
 
+        span_starts = [a for a, _ in plan.spans] if plan.given else None  # each given span is one batch
         for pos, item, digest in self.items(plan):
-            batch = pos // b if aligned else origin + (pos - origin) // b * b
+            if aligned:
+                batch = pos // b
+            else:
+                batch = span_starts[bisect.bisect_right(span_starts, pos) - 1] if plan.given else \
+                    origin + (pos - origin) // b * b
             if batch != current:
                 if pending or skipped:
                     yield emit()

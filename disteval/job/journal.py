@@ -89,11 +89,13 @@ def identity(cfg: Any) -> dict[str, Any]:
 
 def resume_problem(cfg: Any, streamed: bool) -> str | None:
     """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``streamed``: tar shards planned per rank."""
+    ``streamed``: tar shards planned per rank (their samples skipped by ``data.on_decode_error=skip`` are not
+    recorded in windows)."""
     sampler = str(cfg.data.sampler)
     reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
                (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
-               (streamed, "streamed shards (data.urls)")]
+               (streamed and str(getattr(cfg.data, "on_decode_error", "raise")) == "skip",
+                "data.on_decode_error=skip on streamed shards (skipped samples are not recorded)")]
     return next((why for bad, why in reasons if bad), None)
 
 
