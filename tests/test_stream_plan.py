@@ -111,18 +111,18 @@ def test_resume_skips_done_batches():
     counts = [5, 0, 7, 3]
     full = plan_rank(counts, 2, 1, 2, 2)  # rank 1 holds batches 4..7: positions 8..15
     assert [p.spans for p in full] == [((8, 10), (12, 14)), ((10, 12), (14, 15))]
-    resumed = plan_rank(counts, 2, 1, 2, 2, done=2)  # batch 4 done: batches 5..7 dealt again from worker 0
+    resumed = plan_rank(counts, 2, 1, 2, 2, resume=2)  # batch 4 done: batches 5..7 dealt again from worker 0
     assert [p.spans for p in resumed] == [((10, 12), (14, 15)), ((12, 14),)] and resumed[0].done == 2
     assert sorted(positions_read(counts, resumed)) == list(range(10, 15))
-    assert plan_rank(counts, 2, 1, 2, 2, done=7)[0].spans == ()
-    fast = plan_rank(counts, 2, 0, 0, None, done=3)
+    assert plan_rank(counts, 2, 1, 2, 2, resume=7)[0].spans == ()
+    fast = plan_rank(counts, 2, 0, 0, None, resume=3)
     assert fast[0].spans == ((3, 8),) and plan_rank(counts, 2, 0, 0, None)[0].spans == ((0, 8),)
     with pytest.raises(ValueError, match="whole number of batches"):
-        plan_rank(counts, 2, 1, 2, 2, done=1)
+        plan_rank(counts, 2, 1, 2, 2, resume=1)
     with pytest.raises(ValueError, match="several workers"):
-        plan_rank(counts, 2, 0, 2, None, done=2)
+        plan_rank(counts, 2, 0, 2, None, resume=2)
     with pytest.raises(ValueError, match="outside"):
-        plan_rank(counts, 2, 1, 2, 2, done=8)
+        plan_rank(counts, 2, 1, 2, 2, resume=8)
 
 
 def test_bad_arguments():
@@ -142,7 +142,7 @@ def test_resumed_plans_cover_the_rest_in_delivery_order(counts):
         for r in range(w):
             full = sorted(positions_read(counts, plan_rank(counts, w, r, k, b)))
             for m in range(0, len(full) + 1, b):
-                plans = plan_rank(counts, w, r, k, b, done=m)
+                plans = plan_rank(counts, w, r, k, b, resume=m)
                 assert sorted(positions_read(counts, plans)) == full[m:]
                 delivered = _delivery_order(plans, b)
                 assert delivered == sorted(delivered)

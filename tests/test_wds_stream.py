@@ -240,7 +240,7 @@ def test_resume_mid_shard_equals_uninterrupted(shard_set):
     w0, w1 = first.iter_worker(0), first.iter_worker(1)
     part = [next(w0), next(w1), next(w0)]  # the DataLoader's delivery order
     assert [b.batch for b in part] == [0, 1, 2] and part[2].sample_ids.tolist() == [8, 9, 10, 11]
-    resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, done=3 * B), B, FMT)
+    resumed = ShardStream(shards, plan_rank(counts, 1, 0, 2, B, resume=3 * B), B, FMT)
     model, got = _model(), {}
     for b in part + list(resumed.iter_worker(0)) + list(resumed.iter_worker(1)):
         with torch.inference_mode():
@@ -559,7 +559,7 @@ def test_dp_rank_and_size_come_from_the_caller_not_the_environment(shard_set, mo
 
 @pytest.mark.parametrize("aligned", [True, False])
 def test_given_batches_are_read_once_each_as_one_batch(shard_set, aligned):
-    """A resume around recorded windows (``plan_rank(batches=...)``): only the given position spans are read,
+    """A resume around recorded windows (``plan_rank`` given the batch spans): only the given position spans are read,
     each as exactly one batch with its own ids (also in fast mode, where a span need not start on the worker's
     grid), dealt to 3 workers round-robin so that in request order they arrive increasing; spans outside the
     rank's range are refused."""
@@ -568,7 +568,7 @@ def test_given_batches_are_read_once_each_as_one_batch(shard_set, aligned):
     counts = [s.num_samples for s in shards]
     n = sum(counts)
     given = [(0, 4), (9, 12), (12, 16), (33, 35), (40, 44), (n - 3, n)]  # gaps: recorded windows
-    plans = plan_rank(counts, 1, 0, 3, B if aligned else None, batches=given)
+    plans = plan_rank(counts, 1, 0, 3, B if aligned else None, given)
     assert [p.spans for p in plans] == [tuple(given[0::3]), tuple(given[1::3]), tuple(given[2::3])]
     ds = ShardStream(shards, plans, B, FMT)
     per_worker = [list(ds.iter_worker(k)) for k in range(3)]
@@ -579,8 +579,8 @@ def test_given_batches_are_read_once_each_as_one_batch(shard_set, aligned):
         ids = b.sample_ids.numpy()
         assert torch.equal(b.inputs[:, 0], torch.from_numpy(images[ids]).float() / 255)
     # two short spans inside one batch-sized block of one worker stay two batches
-    one = ShardStream(shards, plan_rank(counts, 1, 0, 0, B if aligned else None, batches=[(0, 2), (2, 4)]), B, FMT)
+    one = ShardStream(shards, plan_rank(counts, 1, 0, 0, B if aligned else None, [(0, 2), (2, 4)]), B, FMT)
     expect = [(0, 1, 2, 3)] if aligned else [(0, 1), (2, 3)]  # aligned: both lie in global batch 0
     assert [tuple(b.sample_ids.tolist()) for b in one.iter_worker(0)] == expect
     with pytest.raises(ValueError, match="not inside the rank's positions"):
-        plan_rank(counts, 2, 1, 1, B, batches=[(0, 4)])
+        plan_rank(counts, 2, 1, 1, B, [(0, 4)])

@@ -143,14 +143,15 @@ def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plan_rank(counts: Sequence[int], world_size: int, rank: int, num_workers: int, batch_size: int | None,
-              done: int = 0, batches: Sequence[tuple[int, int]] | None = None) -> list[ConsumerPlan]:
+              resume: int | Sequence[tuple[int, int]] = 0) -> list[ConsumerPlan]:
     """The plans of every worker of ``rank`` (``max(1, num_workers)`` of them), from the index's per-shard
-    sample counts. ``done``: samples of the rank already evaluated, a prefix in delivery order (resume: the
-    checkpoint's one count per rank; see ``worker_spans``). ``batches``: only these position spans, increasing,
+    sample counts. ``resume``, an int: samples of the rank already evaluated, a prefix in delivery order (the
+    checkpoint's one count per rank; see ``worker_spans``); a list: only these position spans, increasing,
     inside the rank's range, each one batch (a resume around recorded windows, ``disteval.rank.journal``), dealt
     to the workers round-robin from worker 0 (so they arrive in increasing order). dp rank and size come from
-    the caller (the engine), never from environment variables. Raises ValueError for a bad ``done`` or a span
+    the caller (the engine), never from environment variables. Raises ValueError for a bad count or a span
     outside the rank's range."""
+    done, batches = (int(resume), None) if isinstance(resume, int) else (0, list(resume))
     starts = shard_starts(counts)
     start, end = rank_bounds(starts[-1], world_size, rank, batch_size)
     k = max(1, num_workers)

@@ -43,12 +43,11 @@ class StreamSource:
         return rank_bounds(len(self), world_size, rank, batch_size)
 
     def stream(self, world_size: int, rank: int, num_workers: int, batch_size: int, aligned: bool,
-               done: int = 0, batches: list[tuple[int, int]] | None = None) -> ShardStream:
-        """The rank's IterableDataset (one plan per loader worker); ``done``: the rank's samples already
-        evaluated (a checkpoint's resume); ``batches``: only these position spans, each a batch (a resume
-        around recorded windows; ``stream_plan.plan_rank``)."""
-        plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, done,
-                          batches)
+               resume: int | list[tuple[int, int]] = 0) -> ShardStream:
+        """The rank's IterableDataset (one plan per loader worker); ``resume``: the rank's samples already
+        evaluated (a checkpoint's resume), or only these position spans, each a batch (a resume around
+        recorded windows; ``stream_plan.plan_rank``)."""
+        plans = plan_rank(self.counts, world_size, rank, num_workers, batch_size if aligned else None, resume)
         if self.pixels is not None:
             return CachedStream(self, plans, batch_size, self.pixels)
         fmt = replace(self.fmt, source_digests=True) if self.cache_writer is not None else self.fmt

@@ -393,8 +393,8 @@ def _stream_loader(source: StreamSource, spec: ShardSpec) -> tuple[DataLoader, L
         raise ValueError(f"data.sampler={spec.sampler} does not apply to streamed shards (always exact)")
     b = spec.batch_size if spec.aligned else None
     start, end = source.bounds(spec.world_size, spec.rank, b)
-    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned, spec.skip,
-                           spec.batches)
+    stream = source.stream(spec.world_size, spec.rank, spec.num_workers, spec.batch_size, spec.aligned,
+                           spec.skip if spec.batches is None else spec.batches)
     loader = DataLoader(stream, batch_size=None, num_workers=spec.num_workers, pin_memory=spec.pin_memory,
                         **_worker_processes(spec.num_workers),
                         prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
