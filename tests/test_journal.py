@@ -49,6 +49,8 @@ def _check_resumed(run, want: dict, resumed_from) -> dict:
     j = got["journal"]
     assert j["resumed_from"] == str(resumed_from.resolve())
     assert j["samples_resumed"] > 0 and j["samples_resumed"] + j["samples_evaluated"] == N, j
+    # the throughput counts the forwarded samples only (over the slowest rank's forward seconds)
+    assert got["throughput"]["images_per_s"] * got["timings"]["forward"] == pytest.approx(j["samples_evaluated"])
     return j
 
 

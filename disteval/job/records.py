@@ -559,12 +559,17 @@ def per_rank_record(row: dict, net: dict | None) -> dict:
             "samples": int(row["samples"]), "batches": int(row["batches"]),
             "metrics": dict(row.get("local") or {}),
             "seconds": {"load": row["seconds_load"], "forward": fwd, "warmup": warm},
-            "images_per_s": (row["samples"] - warm_samples) / steady if steady > 0 else None,
+            "images_per_s": (row["samples"] - warm_samples - resumed_samples(row)) / steady if steady > 0 else None,
             "node": net.get("node"), "node_rank": net.get("node_rank"), "interface": net.get("interface"),
             "address": net.get("address"), "ifname_source": net.get("ifname_source"),
             "fingerprint": row.get("fingerprint"),
             "pipeline": row.get("pipeline"),
             **{k: int(row[k]) for k in MESH_ROW_FIELDS if k in row}}
+
+
+def resumed_samples(row: dict) -> int:
+    """Samples a rank's row counts that it added from recorded windows (``eval.resume``), not forwarded."""
+    return int(((row.get("journal") or {}).get("replayed") or {}).get("samples", 0))
 
 
 def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: dict | None = None) -> dict:
@@ -585,7 +590,8 @@ def build_results(cfg: Any, run: dict, rows: list[dict], metrics: dict, extra: d
     # eval.compile: the first batch of each rank (compilation) is timed apart and left out of the images/s
     warmup = max((p["seconds"]["warmup"] for p in per_rank), default=0.0)
     steady = max(((p["seconds"]["forward"] or 0.0) - p["seconds"]["warmup"] for p in per_rank), default=0.0)
-    steady_samples = num_samples - sum(int(r.get("samples_warmup") or 0) for r in rows)
+    # forwarded samples only: a resumed run's samples added from records (eval.resume) took no forward
+    steady_samples = num_samples - sum(int(r.get("samples_warmup") or 0) + resumed_samples(r) for r in rows)
     return json_safe({
         "schema_version": SCHEMA_VERSION,
         "experiment": cfg.experiment_name,
