@@ -442,8 +442,9 @@ class JournalConfig:
     """``eval.journal.*``: durable progress (``disteval.rank.journal``). enabled: every rank records what it
     evaluated as it goes, so that ``eval.resume=RUN_DIR`` can finish an interrupted run at any world size;
     every_batches / every_s: a rank records after this many batches or seconds, whichever comes first (at most
-    that much work of a rank is evaluated again after it dies). Runs the journal cannot resume exactly (several
-    trials, a sampler that pads or drops, streamed shards with ``data.on_decode_error=skip``) record nothing;
+    that much work of a rank is evaluated again after it dies; with ``eval.trials`` > 1 the first pass). Runs the
+    journal cannot resume exactly (a sampler that pads or drops, streamed shards with
+    ``data.on_decode_error=skip``) record nothing;
     results.json ``journal`` says why. The intervals' per-sample rows (``eval.ci``) and the prediction store's
     rows (``eval.save_predictions``) are recorded with the metric states."""
 

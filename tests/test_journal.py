@@ -49,8 +49,10 @@ def _check_resumed(run, want: dict, resumed_from) -> dict:
     j = got["journal"]
     assert j["resumed_from"] == str(resumed_from.resolve())
     assert j["samples_resumed"] > 0 and j["samples_resumed"] + j["samples_evaluated"] == N, j
-    # the throughput counts the forwarded samples only (over the slowest rank's forward seconds)
-    assert got["throughput"]["images_per_s"] * got["timings"]["forward"] == pytest.approx(j["samples_evaluated"])
+    # the throughput counts the forwarded samples only (over the slowest rank's forward seconds; of the last
+    # trial: with eval.trials=2 the second pass evaluated everything)
+    forwarded = N if got["trials"] else j["samples_evaluated"]
+    assert got["throughput"]["images_per_s"] * got["timings"]["forward"] == pytest.approx(forwarded)
     return j
 
 
@@ -60,8 +62,9 @@ def test_killed_runs_resume_at_other_world_sizes_with_identical_metrics(tmp_path
     assert proc.returncode != 0 and not (killed / "results.json").exists()
     recorded = sorted(p.name for p in killed.glob("ranks/rank1/journal/*.pt"))
     assert recorded == ["000000000144-000000000176.pt", "000000000176-000000000208.pt"]  # batches 9-12 of rank 1
-    for w in (1, 3):
-        _, run = _run(tmp_path, f"resumed_w{w}", f"dist.world_size={w}", f"eval.resume={killed}")
+    for w in (1, 3):  # W = 1 with two trials: the first resumes from the records, the second evaluates all
+        _, run = _run(tmp_path, f"resumed_w{w}", f"dist.world_size={w}", f"eval.resume={killed}",
+                      *(["eval.trials=2"] if w == 1 else []))
         _check_resumed(run, want, killed)
     # a resumed run killed in turn, resumed again at W = 2: the records of both runs are used
     _run(tmp_path, "again", "dist.world_size=3", f"eval.resume={killed}", env={"DISTEVAL_FAULTS": "kill@0:batch=1"},
@@ -126,9 +129,9 @@ def test_a_resume_of_another_run_is_refused_before_ranks_start(tmp_path, full):
                      f"eval.resume={done}", ok=False)
     assert proc.returncode == 2 and "eval.resume" in proc.stderr and "data.batch_size: recorded 16, now 32" in proc.stderr
     assert not (run / "ranks").exists()
-    proc, _ = _run(tmp_path, "trials", "dist.world_size=1", "data.limit=64", "eval.trials=2", f"eval.resume={done}",
-                   ok=False)
-    assert proc.returncode == 2 and "eval.trials > 1" in proc.stderr
+    proc, _ = _run(tmp_path, "padded", "dist.world_size=1", "data.limit=64", "data.sampler=padded",
+                   f"eval.resume={done}", ok=False)
+    assert proc.returncode == 2 and "data.sampler=padded (it pads or drops" in proc.stderr
     proc, _ = _run(tmp_path, "store", "dist.world_size=1", "data.limit=64", "eval.save_predictions=true",
                    f"eval.resume={done}", ok=False)
     assert proc.returncode == 2 and "wrote no prediction store" in proc.stderr

@@ -90,3 +90,30 @@ def test_a_changed_window_is_refused_by_its_digest():
         Window.from_tensors(data)
     with pytest.raises(ValueError, match="overlap"):
         Evaluator(_metric()).schedule([windows[0], windows[0]])
+
+
+def test_a_mostly_zero_state_is_stored_sparsely_and_read_back_exactly():
+    """The difference of a 1000-class confusion matrix over one batch of 8 samples: 8 of 10^6 entries are not zero;
+    the record holds them (index, value) instead of 8 MB, reads back ``==``, and a changed value is refused."""
+    import io
+
+    counts = torch.zeros(1000, 1000, dtype=torch.int64)
+    counts[torch.arange(8), torch.arange(8) * 7] = torch.arange(1, 9)
+    floats = torch.zeros(5000, dtype=torch.float64)  # floats stay dense (-0.0 must come back -0.0)
+    floats[3] = -0.0
+    w = Window(start=0, end=8, spans=torch.tensor([[0, 0, 8]]), runs=torch.tensor([[0, 8]]),
+               states={"confusion": counts, "s": floats, "n": torch.tensor([8])},
+               leaf_batches=torch.zeros(0, dtype=torch.int64), leaf_values=torch.zeros(0, 0, dtype=torch.float64),
+               digests=torch.zeros(0, dtype=torch.int64))
+    data = w.to_tensors()
+    assert "confusion" not in data["states"] and data["sparse"]["confusion/index"].numel() == 8
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    assert buf.tell() < 100_000  # 8 MB dense
+    back = Window.from_tensors(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert set(back.states) == {"confusion", "s", "n"}
+    assert torch.equal(back.states["confusion"], counts) and back.states["confusion"].dtype == torch.int64
+    assert torch.equal(back.states["s"], floats) and torch.signbit(back.states["s"][3])
+    data["sparse"]["confusion/values"] = data["sparse"]["confusion/values"] + 1
+    with pytest.raises(ValueError, match="digest"):
+        Window.from_tensors(data)

@@ -92,8 +92,8 @@ def resume_problem(cfg: Any, streamed: bool) -> str | None:
     ``streamed``: tar shards planned per rank (their samples skipped by ``data.on_decode_error=skip`` are not
     recorded in windows)."""
     sampler = str(cfg.data.sampler)
-    reasons = [(int(cfg.eval.trials) > 1, "eval.trials > 1 (a window holds one pass)"),
-               (sampler != "exact", f"data.sampler={sampler} (pads or drops samples)"),
+    reasons = [(sampler != "exact", f"data.sampler={sampler} (it pads or drops samples by the world size, so "
+                                                   "no result is the same at every world size)"),
                (streamed and str(getattr(cfg.data, "on_decode_error", "raise")) == "skip",
                 "data.on_decode_error=skip on streamed shards (skipped samples are not recorded)")]
     return next((why for bad, why in reasons if bad), None)

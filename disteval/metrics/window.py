@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+SPARSE_MIN = 4096  # states of at least this many elements are stored sparsely when more than half are zeros
+
 
 @dataclass
 class Window:
@@ -46,10 +48,22 @@ class Window:
 
     def to_tensors(self) -> dict:
         """A dict of ints and tensors only (``torch.load(weights_only=True)`` reads it back), with a 63-bit
-        BLAKE2b ``digest`` of everything else, checked by ``from_tensors``."""
+        BLAKE2b ``digest`` of everything else, checked by ``from_tensors``. A state that is mostly zeros (the
+        difference of a 1000 x 1000 confusion matrix over a few batches) is stored as its non-zero entries (integer states):
+        ``states["<name>"]`` is then absent and ``sparse["<name>/shape" | "/index" | "/values"]`` hold it."""
+        dense, sparse = {}, {}
+        for name, t in self.states.items():
+            flat = t.reshape(-1)
+            exact_zeros = not (t.is_floating_point() or t.is_complex())  # a float's -0.0 would come back +0.0
+            index = flat.nonzero().reshape(-1) if exact_zeros and t.numel() >= SPARSE_MIN else None
+            if index is not None and 2 * index.numel() < t.numel():
+                sparse.update({f"{name}/shape": torch.tensor(t.shape, dtype=torch.int64),
+                               f"{name}/index": index, f"{name}/values": flat[index]})
+            else:
+                dense[name] = t
         body = {"start": int(self.start), "end": int(self.end), "spans": self.spans, "runs": self.runs,
-                "states": dict(self.states), "leaf_batches": self.leaf_batches, "leaf_values": self.leaf_values,
-                "digests": self.digests, "extras": dict(self.extras)}
+                "states": dense, "leaf_batches": self.leaf_batches, "leaf_values": self.leaf_values,
+                "digests": self.digests, "extras": dict(self.extras), "sparse": sparse}
         return {**body, "digest": _digest(body)}
 
     @classmethod
@@ -59,11 +73,21 @@ class Window:
         try:
             body = {k: data[k] for k in ("start", "end", "spans", "runs", "states", "leaf_batches",
                                          "leaf_values", "digests", "extras")}
+            body["sparse"] = data.get("sparse", {})
             want = int(data["digest"])
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a window record: {exc!r}") from None
         if _digest(body) != want:
             raise ValueError("its digest does not match its contents (torn or altered)")
+        sparse, states = body.pop("sparse"), dict(body["states"])
+        for key in sparse:
+            if key.endswith("/shape"):
+                name = key[:-len("/shape")]
+                index, values = sparse[f"{name}/index"], sparse[f"{name}/values"]
+                t = torch.zeros(int(torch.prod(sparse[key])), dtype=values.dtype)
+                t[index] = values
+                states[name] = t.reshape(tuple(sparse[key].tolist()))
+        body["states"] = states
         return cls(**body)
 
 
@@ -73,7 +97,8 @@ def _digest(body: dict) -> int:
     tensors = [("spans", body["spans"]), ("runs", body["runs"]), ("leaf_batches", body["leaf_batches"]),
                ("leaf_values", body["leaf_values"]), ("digests", body["digests"]),
                *sorted((f"state:{k}", v) for k, v in body["states"].items()),
-               *sorted((f"extra:{k}", v) for k, v in body["extras"].items())]
+               *sorted((f"extra:{k}", v) for k, v in body["extras"].items()),
+               *sorted((f"sparse:{k}", v) for k, v in body.get("sparse", {}).items())]
     for name, t in tensors:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())

@@ -256,7 +256,7 @@ class RankRun:
                 "fingerprint": self.fingerprint, **({"predictions": self.store.entry} if self.store else {}),
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
-                "pipeline": pipeline_record(progress), "journal": self.journal.record(),
+                "pipeline": pipeline_record(progress), "journal": None if self.outcomes else self.journal.record(),
                 **({"skipped": progress.skipped} if self.streamed else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 

@@ -217,8 +217,10 @@ class JournalHook(LoopHook):
 
 
 def journal_summary(rows: list[dict]) -> dict:
-    """results.json ``journal`` from the ranks' rows: recording or why not, where it resumed from, the samples
-    recorded, added from records (``samples_resumed``) and evaluated, write errors and refused records."""
+    """results.json ``journal`` from the ranks' rows of the first trial (the journal records and resumes the
+    first pass of ``eval.trials``; later trials evaluate everything): recording or why not, where it resumed
+    from, the samples recorded, added from records (``samples_resumed``) and evaluated, write errors and refused
+    records."""
     parts = [r["journal"] for r in rows if r.get("journal")]
     if not parts:
         return {}

@@ -87,7 +87,7 @@ def finish(run: Any, t_total: float) -> dict | None:
         "numeric_classes": numeric_classes({int(r["rank"]): r["fingerprint"] for r in last["rows"]
                                             if r.get("fingerprint")}),
         "canary": run.canary, "confidence_intervals": None,  # added after this write (add_intervals)
-        "filesystem": ctx.filesystem, "journal": journal_summary(last["rows"]),
+        "filesystem": ctx.filesystem, "journal": journal_summary(outcomes[0]["rows"]),
         **({"parallel": run.mesh.record()} if run.mesh else {}),
         **decode_errors(run, last["rows"])})
     if run.store is not None:
