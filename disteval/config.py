@@ -443,9 +443,8 @@ class JournalConfig:
     evaluated as it goes, so that ``eval.resume=RUN_DIR`` can finish an interrupted run at any world size;
     every_batches / every_s: a rank records after this many batches or seconds, whichever comes first (at most
     that much work of a rank is evaluated again after it dies; with ``eval.trials`` > 1 the first pass). Runs the
-    journal cannot resume exactly (a sampler that pads or drops, streamed shards with
-    ``data.on_decode_error=skip``) record nothing;
-    results.json ``journal`` says why. The intervals' per-sample rows (``eval.ci``) and the prediction store's
+    journal cannot resume exactly (a sampler that pads or drops) record nothing; results.json ``journal`` says
+    why. The intervals' per-sample rows (``eval.ci``) and the prediction store's
     rows (``eval.save_predictions``) are recorded with the metric states."""
 
     enabled: bool = True

@@ -117,3 +117,39 @@ def test_a_mostly_zero_state_is_stored_sparsely_and_read_back_exactly():
     data["sparse"]["confusion/values"] = data["sparse"]["confusion/values"] + 1
     with pytest.raises(ValueError, match="digest"):
         Window.from_tensors(data)
+
+
+def test_skipped_ids_travel_in_windows_also_a_wholly_skipped_batch():
+    """Streamed data skips samples that do not decode (``Evaluator.skip``): a window carries them in ``skipped``
+    and in its runs, also a batch skipped whole (no ``process`` call) and one skipped in part; an evaluator
+    that adds those windows and evaluates the other batches covers every id once, lists the same skipped ids
+    and gives the same metrics as the evaluator that saw everything."""
+    dropped = {2: None, 5: {41, 43}}  # batch 2 wholly skipped; batch 5 loses ids 41 and 43
+
+    def feed(ev, batches, take: bool):
+        windows = []
+        for index, x, y, ids in batches:
+            keep = torch.ones(len(ids), dtype=torch.bool)
+            if index in dropped:
+                keep = torch.tensor([dropped[index] is not None and int(i) not in dropped[index] for i in ids])
+                ev.skip(ids[~keep])
+            if keep.any():
+                ev.process(index, x[keep], y[keep], ids[keep])
+            if take:
+                windows.append(ev.take_window())
+        return [w for w in windows if w is not None]
+
+    full = Evaluator(_metric(), bitwise=True)
+    full.windows = True
+    windows = feed(full, _batches(), take=True)
+    full.finish_local()
+    assert [w.skipped.tolist() for w in windows if w.skipped.numel()] == [list(range(16, 24)), [41, 43]]
+    assert all(w.runs.shape[0] == 1 for w in windows)  # each window's ids are one run [start, end)
+    replay = [w for w in windows if w.start // B in (1, 2, 5, 9)]  # the skipped batches among them
+    part = Evaluator(_metric(), bitwise=True)
+    part.schedule(replay)
+    feed(part, [b for b in _batches() if b[0] not in (1, 2, 5, 9)], take=False)
+    part.finish_local()
+    assert part.coverage.runs().tolist() == [[0, N]] == full.coverage.runs().tolist()
+    assert sorted(part.skipped_recorded) == list(range(16, 24)) + [41, 43]
+    assert part.metric.compute() == full.metric.compute()

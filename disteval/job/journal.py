@@ -89,14 +89,13 @@ def identity(cfg: Any) -> dict[str, Any]:
 
 def resume_problem(cfg: Any, streamed: bool) -> str | None:
     """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``streamed``: tar shards planned per rank (their samples skipped by ``data.on_decode_error=skip`` are not
-    recorded in windows)."""
+    ``streamed``: tar shards planned per rank (recorded and resumed like map-style data; kept as a parameter
+    for the checks a streamed plan may need)."""
     sampler = str(cfg.data.sampler)
-    reasons = [(sampler != "exact", f"data.sampler={sampler} (it pads or drops samples by the world size, so "
-                                                   "no result is the same at every world size)"),
-               (streamed and str(getattr(cfg.data, "on_decode_error", "raise")) == "skip",
-                "data.on_decode_error=skip on streamed shards (skipped samples are not recorded)")]
-    return next((why for bad, why in reasons if bad), None)
+    if sampler != "exact" and not streamed:
+        return (f"data.sampler={sampler} (it pads or drops samples by the world size, so no result is the same at "
+                "every world size)")
+    return None
 
 
 def store_settings(cfg: Any) -> dict | None:

@@ -45,7 +45,10 @@ class Evaluator:
         # windows (disteval.metrics.window): where the open one began, and recorded ones to add in id order
         self.windows = False  # keep what take_window needs (the journal turns it on)
         self._mark: dict | None = None
-        self._mark_at = (0, 0)  # lengths of _spans and _digests at the mark
+        self._mark_at = (0, 0, 0)  # lengths of _spans, _digests and _skipped at the mark
+        self._ends = array.array("q")  # per batch: its last sample id + 1 (ids need not be consecutive: skips)
+        self._skipped = array.array("q")  # ids skipped by the data (``skip``) while windows are kept
+        self.skipped_recorded: list[int] = []  # ids the added windows had skipped
         self._leaves: list[tuple[int, torch.Tensor]] = []
         self._replay: list[Window] = []
         self.closed: list[Window] = []  # windows closed because a recorded one was added after them
@@ -68,6 +71,8 @@ class Evaluator:
         self.metric.update(outputs, targets, sample_ids)
         self.coverage.update(sample_ids)
         self._spans.extend((int(batch_index), first, n))
+        if self.windows:
+            self._ends.append(int(sample_ids[-1]) + 1 if n else first)
         partial = self._fold(batch_index) if self.tree is not None else None
         if partial is not None and self.windows:
             self._leaves.append((int(batch_index), partial))
@@ -76,20 +81,37 @@ class Evaluator:
             if partial is not None:
                 self._partials.append(partial)
 
+    def skip(self, sample_ids: torch.Tensor) -> None:
+        """Samples the data skipped (streamed shards, ``data.on_decode_error=skip``): counted in the coverage
+        and, with windows kept, carried by the next window taken."""
+        if not sample_ids.numel():
+            return
+        if self._replay:  # recorded windows before these ids first (a window never mixes them)
+            self._add_recorded(until=int(sample_ids.min()))
+        self.coverage.update(sample_ids)
+        if self.windows:
+            if self._mark is None:
+                self._open_window()
+            self._skipped.extend(int(i) for i in sample_ids)
+
     def _open_window(self) -> None:
         with self._batch_named():
             self._mark = self.metric.mark()
-        self._mark_at = (len(self._spans), len(self._digests))
+        self._mark_at = (len(self._spans), len(self._digests), len(self._skipped))
+        del self._ends[:]
         self._leaves = []
         self._source_marks = {name: src.mark() for name, src in self.sources.items()}
 
     def take_window(self) -> Window | None:
-        """Close the open window (the batches processed since the last one) and return it, None when it holds
-        no batch. The next ``process`` opens the next window. Raises what ``Metric.raise_deferred`` raises."""
-        if self._mark is None or len(self._spans) == self._mark_at[0]:
+        """Close the open window (the batches processed and the ids skipped since the last one) and return it,
+        None when it holds neither. The next ``process`` opens the next window. Raises what
+        ``Metric.raise_deferred`` raises."""
+        if self._mark is None or (len(self._spans) == self._mark_at[0] and len(self._skipped) == self._mark_at[2]):
             return None
         spans = torch.tensor(self._spans[self._mark_at[0]:], dtype=torch.int64).reshape(-1, 3)
-        runs = torch.stack([spans[:, 1], spans[:, 1] + spans[:, 2]], dim=1)
+        skipped = torch.tensor(self._skipped[self._mark_at[2]:], dtype=torch.int64)
+        runs = _merged([(int(a), int(b)) for a, b in zip(spans[:, 1].tolist(), self._ends) if a < b] +
+                       [(i, i + 1) for i in skipped.tolist()])
         width = self.tree.width if self.tree is not None else 0
         leaves = self._leaves
         with self._batch_named():
@@ -102,7 +124,8 @@ class Evaluator:
             torch.zeros(0, width, dtype=torch.float64),
             digests=torch.cat([d.cpu() for d in self._digests[self._mark_at[1]:]]) if self.record_batches and
             len(self._digests) > self._mark_at[1] else torch.zeros(0, dtype=torch.int64),
-            extras={name: src.since(self._source_marks[name]) for name, src in self.sources.items()})
+            extras={name: src.since(self._source_marks[name]) for name, src in self.sources.items()},
+            skipped=skipped)
         self._mark = None
         return window
 
@@ -141,7 +164,8 @@ class Evaluator:
         self._replay = self._replay[len(due):]
         for w in due:
             self.metric.add_contribution(w.states)
-            self.coverage.update_runs(w.runs)
+            self.coverage.update_runs(w.runs)  # the ids it evaluated and those it skipped
+            self.skipped_recorded.extend(int(i) for i in w.skipped.tolist())
             self._spans.extend(int(x) for x in w.spans.reshape(-1).tolist())
             if self.tree is not None:
                 for b, v in zip(w.leaf_batches.tolist(), w.leaf_values):
@@ -235,3 +259,14 @@ class Evaluator:
         return {"batches": [spans[i:i + 3] for i in range(0, len(spans), 3)], "digests": digests,
                 "partials": torch.stack(self._partials).cpu().tolist() if self._partials else [],
                 "float_states": [[n, list(s)] for n, s in zip(self.float_names, self.float_shapes)]}
+
+
+def _merged(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """int64 [k, 2]: the ``[start, end)`` runs joined where they touch or overlap, in order."""
+    out: list[list[int]] = []
+    for a, b in sorted(runs):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return torch.tensor(out, dtype=torch.int64).reshape(-1, 2)

@@ -29,7 +29,8 @@ class Window:
     int64 [m] and leaf_values float64 [m, width]: the float partials of bitwise mode (m = 0 in fast mode or
     without float states); digests int64 [n]: per-sample output digests (empty unless recorded); extras:
     ``{source: rows}`` that other per-sample keepers of the rank added over these batches (``Evaluator.sources``:
-    the bootstrap intervals' per-sample rows)."""
+    the bootstrap intervals' per-sample rows, the prediction store's rows); skipped int64 [s]: ids the data
+    skipped (``data.on_decode_error=skip``), also in ``runs``."""
 
     start: int
     end: int
@@ -40,11 +41,12 @@ class Window:
     leaf_values: torch.Tensor
     digests: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    skipped: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def samples(self) -> int:
-        """Samples evaluated in the window."""
-        return int(self.spans[:, 2].sum()) if self.spans.numel() else 0
+        """Samples the window accounts for: evaluated in its batches, and skipped by the data."""
+        return (int(self.spans[:, 2].sum()) if self.spans.numel() else 0) + int(self.skipped.numel())
 
     def to_tensors(self) -> dict:
         """A dict of ints and tensors only (``torch.load(weights_only=True)`` reads it back), with a 63-bit
@@ -63,7 +65,7 @@ class Window:
                 dense[name] = t
         body = {"start": int(self.start), "end": int(self.end), "spans": self.spans, "runs": self.runs,
                 "states": dense, "leaf_batches": self.leaf_batches, "leaf_values": self.leaf_values,
-                "digests": self.digests, "extras": dict(self.extras), "sparse": sparse}
+                "digests": self.digests, "extras": dict(self.extras), "sparse": sparse, "skipped": self.skipped}
         return {**body, "digest": _digest(body)}
 
     @classmethod
@@ -74,6 +76,7 @@ class Window:
             body = {k: data[k] for k in ("start", "end", "spans", "runs", "states", "leaf_batches",
                                          "leaf_values", "digests", "extras")}
             body["sparse"] = data.get("sparse", {})
+            body["skipped"] = data.get("skipped", torch.zeros(0, dtype=torch.int64))
             want = int(data["digest"])
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a window record: {exc!r}") from None
@@ -94,7 +97,8 @@ class Window:
 def _digest(body: dict) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{body['start']}:{body['end']}".encode())
-    tensors = [("spans", body["spans"]), ("runs", body["runs"]), ("leaf_batches", body["leaf_batches"]),
+    tensors = [("spans", body["spans"]), ("runs", body["runs"]), ("skipped", body["skipped"]),
+               ("leaf_batches", body["leaf_batches"]),
                ("leaf_values", body["leaf_values"]), ("digests", body["digests"]),
                *sorted((f"state:{k}", v) for k, v in body["states"].items()),
                *sorted((f"extra:{k}", v) for k, v in body["extras"].items()),

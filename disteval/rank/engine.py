@@ -257,7 +257,7 @@ class RankRun:
                 "seconds_forward": progress.seconds_forward, "local": ev.metric.local_summary(),
                 "seconds_warmup": progress.seconds_warmup, "samples_warmup": progress.samples_warmup,
                 "pipeline": pipeline_record(progress), "journal": None if self.outcomes else self.journal.record(),
-                **({"skipped": progress.skipped} if self.streamed else {}),
+                **({"skipped": [*progress.skipped, *ev.skipped_recorded]} if self.streamed else {}),
                 **(self.mesh.row(progress) if self.mesh else {})}
 
     def _synchronise(self, ev: Evaluator, progress) -> dict:

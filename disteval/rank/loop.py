@@ -378,7 +378,7 @@ def _unpack(batch: Any, progress: LoopProgress, evaluator: Evaluator, k: int) ->
         return inputs, targets, ids, progress.first_batch + k
     if batch.skipped.numel():
         progress.skipped.extend(int(i) for i in batch.skipped)
-        evaluator.coverage.update(batch.skipped)
+        evaluator.skip(batch.skipped)
         progress.samples += int(batch.skipped.numel())
     return batch.inputs, batch.targets, batch.sample_ids, int(batch.batch)
 
