@@ -23,7 +23,7 @@ def _cases(fashion: bool) -> dict:
         if fashion:
             cases[f"fashion_b{b}"] = {"model": {"name": "fashion_cnn", "weights": "shipped"},
                                       "data": {"name": "fashion_mnist", "root": FASHION_ROOT, "batch_size": b,
-                                               "limit": 1500}}
+                                               "limit": 1500 if b > 1 else 400}}  # b=1: 400 batches per W
     cases["digits_n5_b2"] = {"data": {"batch_size": 2, "limit": 5}}  # N < W at W = 5, 8: ranks without a batch
     cases["digits_n97_b7"] = {"data": {"batch_size": 7, "limit": 97}}  # N prime
     cases["digits_n1_b64"] = {"data": {"batch_size": 64, "limit": 1}}

@@ -20,6 +20,7 @@ HERE = torch.backends.cpu.get_cpu_capability()  # the test process ran kernels a
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 pytestmark = pytest.mark.skipif(HERE == "DEFAULT", reason="this CPU offers no vectorised kernel set beyond DEFAULT: "
                                 "every rank computes with the same kernels")
+FIRST_2000 = "data.limit=2000"  # Fashion-MNIST's first 2,000 test images (CI time; the checks are the same)
 needs_fashion = pytest.mark.skipif(not os.path.isdir(FASHION_ROOT),
                                    reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it)")
 
@@ -66,7 +67,7 @@ def test_two_ranks_on_different_kernels_warn_refuse_pin(tmp_path):
     """Fashion-MNIST at W=2, rank 1 on DEFAULT kernels, rank 0 on this CPU's best: warn runs and records two classes,
     the differing setting and the drift numpy measures on the probe; refuse stops before the loop naming rank 1
     and the setting; pin runs both on DEFAULT with metrics == a one-rank run on DEFAULT kernels."""
-    job = ("+experiment=fashion_mnist", "dist.world_size=2")
+    job = ("+experiment=fashion_mnist", FIRST_2000, "dist.world_size=2")
     warn = _drill(tmp_path / "warn" / "run", *job, faults="cpu@1:capability=default")
     assert warn.returncode == 0, warn.stderr[-3000:]
     res = load_results(tmp_path / "warn" / "run")
@@ -100,7 +101,7 @@ def test_two_ranks_on_different_kernels_warn_refuse_pin(tmp_path):
     assert pinned["canary"]["homogeneous"] and pinned["canary"]["cpu_kernels"] == {
         "capabilities": [HERE, "DEFAULT"], "pinned": "DEFAULT"}
     assert [p["fingerprint"]["cpu_capability"] for p in pinned["per_rank"]] == ["DEFAULT", "DEFAULT"]
-    ref = _drill(tmp_path / "ref" / "run", "+experiment=fashion_mnist", "dist.world_size=1",
+    ref = _drill(tmp_path / "ref" / "run", "+experiment=fashion_mnist", FIRST_2000, "dist.world_size=1",
                  env={"ATEN_CPU_CAPABILITY": "default"})
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert pinned["metrics"] == load_results(tmp_path / "ref" / "run")["metrics"]
@@ -138,7 +139,7 @@ def test_three_ranks_three_kernel_sets_on_fashion_mnist(tmp_path):
     """Fashion-MNIST at W=3: rank 0 on this CPU's best kernels, rank 1 on AVX2, rank 2 on DEFAULT (three numeric
     classes where the CPU has AVX512). warn records every class and its drift; pin brings all three to the lowest
     common set, DEFAULT, with metrics == a one-rank run on DEFAULT kernels, whose nll differs from this CPU's."""
-    job = ("+experiment=fashion_mnist", "dist.world_size=3")
+    job = ("+experiment=fashion_mnist", FIRST_2000, "dist.world_size=3")
     drill = "cpu@1:capability=avx2;cpu@2:capability=default"
     warn = _drill(tmp_path / "warn" / "run", *job, faults=drill)
     assert warn.returncode == 0, warn.stderr[-3000:]
@@ -158,9 +159,9 @@ def test_three_ranks_three_kernel_sets_on_fashion_mnist(tmp_path):
     assert pin.returncode == 0, pin.stderr[-3000:]
     pinned = load_results(tmp_path / "pin" / "run")
     assert pinned["canary"]["cpu_kernels"] == {"capabilities": [HERE, "AVX2", "DEFAULT"], "pinned": "DEFAULT"}
-    ref = _drill(tmp_path / "ref" / "run", "+experiment=fashion_mnist", "dist.world_size=1",
+    ref = _drill(tmp_path / "ref" / "run", "+experiment=fashion_mnist", FIRST_2000, "dist.world_size=1",
                  env={"ATEN_CPU_CAPABILITY": "default"})
-    native = _drill(tmp_path / "native" / "run", "+experiment=fashion_mnist", "dist.world_size=1")
+    native = _drill(tmp_path / "native" / "run", "+experiment=fashion_mnist", FIRST_2000, "dist.world_size=1")
     assert ref.returncode == 0 and native.returncode == 0, ref.stderr[-3000:] + native.stderr[-3000:]
     want_metrics = load_results(tmp_path / "ref" / "run")["metrics"]
     assert pinned["metrics"] == want_metrics

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(FASHION_ROOT), reason="Debian 
                                 "not installed (.ci/run installs it)")
 JOB = ("+experiment=fashion_mnist", "eval.metrics=[classification,ranking]", "eval.save_predictions=true",
        "eval.predictions.logits=true", "eval.progress=false")
+N = 3000  # the first 3,000 test images (CI time; every check is the same at 10,000)
 
 
 def _rescore(store: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -29,11 +30,11 @@ def _rescore(store: Path, run_dir: Path, *overrides: str) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """Fashion-MNIST (classification + ranking) written with logits at W=1, 2, 3: {W: run_dir}."""
+    """Fashion-MNIST's first N images (classification + ranking) written with logits at W=1, 2, 3: {W: run_dir}."""
     base = tmp_path_factory.mktemp("stores")
     out = {}
     for w in (1, 2, 3):
-        proc = run_disteval(*JOB, f"dist.world_size={w}", run_dir=base / f"w{w}")
+        proc = run_disteval(*JOB, f"data.limit={N}", f"dist.world_size={w}", run_dir=base / f"w{w}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[w] = base / f"w{w}"
     return out
@@ -45,9 +46,9 @@ def test_stores_rescore_to_the_writers_bits_at_every_world_size(stores, tmp_path
         assert load_results(run_dir)["metrics"] == want  # bitwise mode: the writers agree
         manifest = json.loads((run_dir / "predictions" / "_manifest.json").read_text())
         assert [f["rank"] for f in manifest["files"]] == list(range(w))
-        assert sum(f["rows"] for f in manifest["files"]) == 10000 == manifest["data"]["num_samples"]
+        assert sum(f["rows"] for f in manifest["files"]) == N == manifest["data"]["num_samples"]
         stored = load_results(run_dir)["predictions"]
-        assert (stored["manifest"], stored["rows"]) == ("predictions/_manifest.json", 10000) and stored["seconds"] > 0
+        assert (stored["manifest"], stored["rows"]) == ("predictions/_manifest.json", N) and stored["seconds"] > 0
         rescore_w = {1: 3, 2: 1, 3: 2}[w]  # another world size than the writer's
         proc = _rescore(run_dir, tmp_path / f"r{w}", f"dist.world_size={rescore_w}")
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,7 +65,7 @@ def test_stored_topk_agrees_with_the_stored_logits_and_duckdb_reads_it(stores):
     logits = np.stack(table.column("logits").to_numpy(zero_copy_only=False)).astype(np.float64)
     ids = np.stack(table.column("topk_ids").to_numpy(zero_copy_only=False))
     scores = np.stack(table.column("topk_scores").to_numpy(zero_copy_only=False))
-    assert np.array_equal(table.column("sample_id").to_numpy(), np.arange(10000))
+    assert np.array_equal(table.column("sample_id").to_numpy(), np.arange(N))
     order = np.argsort(-logits, axis=1, kind="stable")[:, :5]
     assert np.array_equal(ids, order)
     soft = np.exp(logits - logits.max(1, keepdims=True))
@@ -81,7 +82,7 @@ def test_damaged_stores_and_other_data_are_refused(stores, tmp_path):
     shutil.copytree(stores[2], run_dir)
     other = _rescore(run_dir, tmp_path / "digits", "+experiment=digits")
     assert other.returncode == 2 and "name: the store has 'fashion_mnist', the job asks for 'digits'" in other.stderr
-    same = _rescore(run_dir, tmp_path / "same", "+experiment=fashion_mnist", "dist.world_size=1")
+    same = _rescore(run_dir, tmp_path / "same", "+experiment=fashion_mnist", f"data.limit={N}", "dist.world_size=1")
     assert same.returncode == 0, same.stderr[-3000:]
     rank1 = run_dir / "predictions" / "rank1.parquet"
     data = bytearray(rank1.read_bytes())
@@ -123,7 +124,8 @@ def test_paired_significance_between_two_checkpoints(stores, tmp_path):
     gen = torch.Generator().manual_seed(3)
     torch.save({k: v + 0.02 * torch.randn(v.shape, generator=gen) if v.is_floating_point() and "running" not in k else v
                 for k, v in state.items()}, tmp_path / "noisy.pt")
-    proc = run_disteval(*JOB, "dist.world_size=2", f"model.checkpoint={tmp_path / 'noisy.pt'}", run_dir=tmp_path / "b")
+    proc = run_disteval(*JOB, f"data.limit={N}", "dist.world_size=2", f"model.checkpoint={tmp_path / 'noisy.pt'}",
+                        run_dir=tmp_path / "b")
     assert proc.returncode == 0, proc.stderr[-3000:]
     cmp = diagnostics_cli(["compare", str(stores[1]), str(tmp_path / "b"), "--significance", "--json", "--resamples",
                            "400", "--seed", "5"], cwd=tmp_path)
@@ -150,13 +152,13 @@ def test_paired_significance_between_two_checkpoints(stores, tmp_path):
     perm = permutation_test((na, nb), diff, permutation_type="samples", vectorized=True, n_resamples=400,
                             rng=np.random.default_rng(5))
     assert sig["nll"]["p_value"] == perm.pvalue and sig["nll"]["difference"] == na.mean() - nb.mean()
-    assert sig["samples"] == 10000
+    assert sig["samples"] == N
 
-    short = run_disteval(*JOB, "data.limit=9990", "dist.world_size=1", run_dir=tmp_path / "short")
+    short = run_disteval(*JOB, f"data.limit={N - 10}", "dist.world_size=1", run_dir=tmp_path / "short")
     assert short.returncode == 0, short.stderr[-3000:]
     refused = diagnostics_cli(["compare", str(stores[1]), str(tmp_path / "short"), "--significance"], cwd=tmp_path)
     said = " ".join((refused.stdout + refused.stderr).split())
-    assert refused.returncode == 2 and "10 only in A (ids [9990, 9991" in said, said[-2000:]
+    assert refused.returncode == 2 and f"10 only in A (ids [{N - 10}, {N - 9}" in said, said[-2000:]
 
 
 def _table(run_dir: Path):
