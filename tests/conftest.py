@@ -160,15 +160,17 @@ EXCLUSIVE = ("slurm", "netlab")  # markers of the tests that run one after anoth
 
 
 SPLIT = ("test_benchmarks.py",)  # files whose tests are a unit each
-# wall seconds of the longest units (measured 2026-12-07: four workers on the 2-core machine, with other work running;
-# the ordering is what counts), longest first. Units not named here go after them.
-UNIT_SECONDS = {"netlab": 1114, "test_doctor.py": 649, "slurm-lab": 574, "slurm": 648, "netlab-side": 331,
-                "test_prediction_store.py": 330, "test_html_report.py": 250, "test_hardening.py": 237, "test_cli.py": 217,
-                "test_doctor_evidence.py": 208, "test_readme_commands.py": 201, "test_heterogeneous.py": 188,
-                "test_journal.py": 188,
-                "test_benchmark_smoke[heterogeneous.py]": 128, "test_bitwise_dist.py": 124, "test_segmentation.py": 123,
-                "test_coco.py": 118, "test_benchmark_smoke[checkpoints.py]": 98, "test_allocator.py": 84,
-                "test_bootstrap.py": 83, "test_stream_cache.py": 80, "test_exactness_dist.py": 78, "test_wds_dist.py": 73}
+# wall seconds of the longest units (measured 2026-12-07 in a clean-clone .ci/run: four workers on the 2-core machine;
+# the ordering is what counts: a long unit started late ends alone while the other workers idle), longest first.
+# Units not named here go after them.
+UNIT_SECONDS = {"netlab": 945, "slurm": 582, "slurm-lab": 473, "test_doctor.py": 460, "test_journal.py": 329,
+                "test_hardening.py": 252, "netlab-side": 229, "test_heterogeneous.py": 200, "test_doctor_evidence.py": 200,
+                "test_prediction_store.py": 180, "test_cli.py": 177, "test_readme_commands.py": 170,
+                "test_html_report.py": 160, "test_bitwise_dist.py": 150, "test_segmentation.py": 123,
+                "test_coco.py": 118, "test_wds_dist.py": 117, "test_mesh_cli.py": 110,
+                "test_benchmark_smoke[checkpoints.py]": 98, "test_benchmark_smoke[heterogeneous.py]": 90,
+                "test_stream_cache.py": 88, "test_webdataset_cli.py": 85, "test_allocator.py": 84,
+                "test_bootstrap.py": 83, "test_exactness_dist.py": 78, "test_mesh_dist.py": 75}
 
 
 def check_groups_reached_xdist(config, items) -> None:
@@ -209,12 +211,17 @@ def pytest_collection_finish(session):
 
 
 _unit_seconds: dict[str, float] = {}  # unit -> seconds of its tests' setup, call and teardown (this process's view)
+_unit_span: dict[str, tuple[float, float]] = {}  # unit -> (first start, last stop), epoch seconds
 
 
 def pytest_runtest_logreport(report):
     """Sum each unit's test seconds (on the controller under xdist, which sees every worker's reports)."""
     unit = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else report.nodeid.split("::")[0].rpartition("/")[2]
     _unit_seconds[unit] = _unit_seconds.get(unit, 0.0) + report.duration
+    start, stop = getattr(report, "start", None), getattr(report, "stop", None)
+    if start is not None and stop is not None:
+        first, last = _unit_span.get(unit, (start, stop))
+        _unit_span[unit] = (min(first, start), max(last, stop))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -223,10 +230,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput") or not _unit_seconds:
         return
     total = sum(_unit_seconds.values())
-    terminalreporter.write_sep("=", f"slowest 12 units (seconds of their tests, one worker each; all "
+    terminalreporter.write_sep("=", f"slowest 25 units (seconds of their tests, one worker each; all "
                                     f"{len(_unit_seconds)} units: {total:.0f} s)")
-    for unit, seconds in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:12]:
+    for unit, seconds in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {unit}")
+    if _unit_span:  # the tail: units that ended last (a long unit started late ends alone while workers idle)
+        t0 = min(a for a, _ in _unit_span.values())
+        terminalreporter.write_sep("=", "the last 6 units to end (start and end, seconds into the suite)")
+        for unit, (a, b) in sorted(_unit_span.items(), key=lambda kv: kv[1][1])[-6:]:
+            terminalreporter.write_line(f"{a - t0:8.0f} {b - t0:8.0f}  {unit}")
 
 
 def pytest_sessionfinish(session, exitstatus):
