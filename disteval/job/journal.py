@@ -87,12 +87,11 @@ def identity(cfg: Any) -> dict[str, Any]:
     return flat
 
 
-def resume_problem(cfg: Any, streamed: bool) -> str | None:
-    """Why a run cannot record its progress for an exact resume (the setting to change), None when it can.
-    ``streamed``: tar shards planned per rank (recorded and resumed like map-style data; kept as a parameter
-    for the checks a streamed plan may need)."""
+def resume_problem(cfg: Any) -> str | None:
+    """Why a run cannot record its progress for an exact resume (the setting to change), None when it can: a
+    sampler that pads or drops (map-style data; streamed shards are always exact)."""
     sampler = str(cfg.data.sampler)
-    if sampler != "exact" and not streamed:
+    if sampler != "exact":
         return (f"data.sampler={sampler} (it pads or drops samples by the world size, so no result is the same at "
                 "every world size)")
     return None

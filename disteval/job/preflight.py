@@ -119,7 +119,7 @@ def check_job(cfg: Any, notes: list[str]) -> None:
         raise ConfigError("eval.exclude_outlier_ranks", f"task {task.name or type(task).__name__} has no per-rank "
                           "metric to find outlier ranks from (Task.rank_metric; classification's is top-1 accuracy)")
     if resume_dir(cfg):  # the records are of this run, and the run can be resumed exactly
-        why = resume_problem(cfg, bool(task.streamed))
+        why = resume_problem(cfg)
         if why is not None:
             raise ConfigError("eval.resume", f"this run cannot be resumed exactly: {why}")
         check_resume(cfg)

@@ -189,15 +189,6 @@ class Evaluator:
             v.zero_()
         return flat
 
-    def batch_of(self, sample_id: int) -> int | None:
-        """The global batch index in which ``sample_id`` was processed, None if none was (sample ids are
-        consecutive within a batch: positions of the shard plan)."""
-        spans = self._spans
-        for i in range(0, len(spans), 3):
-            if spans[i + 1] <= sample_id < spans[i + 1] + spans[i + 2]:
-                return int(spans[i])
-        return None
-
     def float_total(self) -> torch.Tensor:
         """float64 [k]: this rank's folded float partials (zeros when nothing was folded)."""
         return self.tree.total() if self.tree is not None else torch.zeros(0, dtype=torch.float64)
@@ -230,7 +221,7 @@ class Evaluator:
         try:
             yield
         except DataError as exc:
-            batch = self.batch_of(exc.sample_id) if exc.sample_id is not None else None
+            batch = _batch_of(self._spans, exc.sample_id) if exc.sample_id is not None else None
             if batch is None:
                 raise
             raise DataError(f"{exc}, in global batch {batch}", sample_id=exc.sample_id) from None
@@ -270,3 +261,13 @@ def _merged(runs: list[tuple[int, int]]) -> torch.Tensor:
         else:
             out.append([a, b])
     return torch.tensor(out, dtype=torch.int64).reshape(-1, 2)
+
+
+def _batch_of(spans: array.array, sample_id: int) -> int | None:
+    """The global batch index in which ``sample_id`` was processed, None if none was: ``spans`` is the
+    evaluator's flat ``(global batch, first id, size)`` record (ids are consecutive within a batch: positions
+    of the shard plan)."""
+    for i in range(0, len(spans), 3):
+        if spans[i + 1] <= sample_id < spans[i + 1] + spans[i + 2]:
+            return int(spans[i])
+    return None

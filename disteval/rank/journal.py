@@ -33,12 +33,6 @@ from disteval.rank.loop import LoopHook, LoopProgress
 log = logging.getLogger("disteval.rank")
 
 
-def unsupported(cfg: Any, plan: Any) -> str | None:
-    """Why this run cannot record its progress for an exact resume (``disteval.job.journal.resume_problem``),
-    None when it can. ``plan``: the rank's ``RunPlan``."""
-    return resume_problem(cfg, plan.streamed)
-
-
 def recorded_windows(chain: list[Path], start: int, end: int) -> tuple[list[Window], list[str]]:
     """The recorded windows that lie whole inside samples ``[start, end)``, from every rank's journal of the
     runs in ``chain``, without overlaps (the first found is kept), and the problems met (a file that cannot be
@@ -84,14 +78,14 @@ def uncovered_batches(start: int, end: int, batch_size: int, windows: list[Windo
 
 
 class RankJournal:
-    """A rank's journal: whether it records (``eval.journal`` and ``unsupported``), the windows it resumes from
+    """A rank's journal: whether it records (``eval.journal`` and ``resume_problem``), the windows it resumes from
     (``eval.resume``) and what it did, for its row of results.json. ``ctx``: the rank's context; ``plan``: its
     ``RunPlan``. Raises ConfigError naming ``eval.resume`` for a resume
     of a run that cannot be resumed exactly or whose records are of another run (``check_resume``)."""
 
     def __init__(self, ctx: Any, plan: Any):
         cfg, self.ctx, self.plan = ctx.cfg, ctx, plan
-        why = unsupported(cfg, plan)
+        why = resume_problem(cfg)
         self.why_not = "eval.journal.enabled=false" if not cfg.eval.journal.enabled else why
         self.chain: list[Path] = []
         if resume_dir(cfg):
