@@ -253,7 +253,9 @@ class Evaluator:
 
 
 def _merged(runs: list[tuple[int, int]]) -> torch.Tensor:
-    """int64 [k, 2]: the ``[start, end)`` runs joined where they touch or overlap, in order."""
+    """int64 [k, 2]: the ``[start, end)`` runs joined where they touch or overlap, in order. Not
+    ``coverage.merge_runs``, which keeps overlaps apart to find duplicates: here a batch's run ``[first, last + 1)``
+    contains the ids skipped inside it, which must join it."""
     out: list[list[int]] = []
     for a, b in sorted(runs):
         if out and a <= out[-1][1]:
